@@ -1,0 +1,1 @@
+"""Framework adapters (AutoGen, CrewAI, LangChain). Each is an optional extra, imported lazily."""
