@@ -1,0 +1,53 @@
+"""The ``kvshelf`` command line: ``demo`` (the main job), ``convert`` and ``agents``."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="embedded", help="'embedded', an mlx-lm model dir, or a HF repo id")
+    p.add_argument("--cache-dir", type=Path, default=None, help="where agent records live")
+    p.add_argument("--budget", default=None, help="RAM budget for resident caches, e.g. 2GB")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="kvshelf", description="Persistent per-agent Q4 KV caches on MLX")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    demo = sub.add_parser("demo", help="run a multi-agent round-table on the embedded model")
+    _common(demo)
+    demo.add_argument("--turns", type=int, default=3)
+    demo.add_argument("--max-tokens", type=int, default=40)
+    demo.add_argument("--fresh", action="store_true", help="forget the demo agents first")
+
+    sub.add_parser("convert", help="convert the embedded GGUF model now (it is otherwise done on first use)")
+
+    agents = sub.add_parser("agents", help="list the agents with a cache")
+    _common(agents)
+
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+
+    if args.command == "demo":
+        from .demo import run_demo
+
+        run_demo(args.model, args.cache_dir, args.turns, args.max_tokens, args.budget, args.fresh)
+    elif args.command == "convert":
+        from .embedded import embedded_model_dir
+
+        print(embedded_model_dir(progress=True))
+    elif args.command == "agents":
+        from .engine import Engine
+
+        engine = Engine(args.model, args.cache_dir, args.budget)
+        for a in engine.agents():
+            print(f"{a.agent_id:<40s} {a.tokens or 0:7d} tokens  ram {a.ram_bytes:>10d} B  disk {a.disk_bytes:>10d} B")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,236 @@
+"""A 4-bit KV cache for one attention layer, full or sliding-window, in 256-token blocks.
+
+mlx-lm quantizes only full-attention caches (``RotatingKVCache.to_quantized`` raises),
+so Gemma 3's sliding layers need this class. It keeps K and V as packed uint32 data
+with 16-bit scales and biases, one quantization group per ``group_size`` channels of
+each token, in a buffer that grows and shrinks a whole 256-token block at a time.
+
+Why this shape:
+- Each token is quantized on its own, so a partial block is as exact as a full one,
+  and cutting the cache back to any position leaves the same bits as if it had
+  never gone further. That is what makes a restore from disk bit-identical.
+- A sliding layer drops its oldest blocks once they are more than one block beyond
+  the window (the "slack" block). Memory stays bounded however long the conversation
+  grows, yet the cache can always rewind a turn's worth of tokens (the next prompt
+  often re-renders the last few tokens of the previous reply differently).
+- Attention reads the quantized blocks directly. For a few query tokens (decode),
+  the cache exposes ``bits`` so that mlx-lm's attention runs ``quantized_matmul``
+  over the packed data. For a long chunk (prefill), ``quantized_matmul`` is 10x slower
+  than dequantizing once and running the fused dense kernel, so the cache then hides
+  ``bits`` and returns the dequantized blocks. Either way every token is seen through
+  its 4-bit representation, including the chunk's own tokens.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.models.cache import _BaseCache
+
+from .spec import BLOCK_TOKENS, LayerSpec
+
+# Up to this many query tokens, attention runs quantized_matmul on the packed blocks.
+QUANTIZED_ATTENTION_MAX_QUERY = 8
+SCALE_DTYPE = mx.float16
+
+QTriple = tuple[mx.array, mx.array, mx.array]
+
+
+def group_size_for(layer: LayerSpec, preferred: int = 64) -> int:
+    """The largest supported group size that divides both K and V head dims."""
+    for g in (preferred, 64, 32):
+        if layer.k_head_dim % g == 0 and layer.v_head_dim % g == 0:
+            return g
+    raise ValueError(
+        f"head dims {layer.k_head_dim}/{layer.v_head_dim} are not multiples of 32; "
+        "kvshelf cannot quantize this model's KV cache"
+    )
+
+
+def _blocks(n: int) -> int:
+    return -(-n // BLOCK_TOKENS)
+
+
+class QuantizedLayerCache(_BaseCache):
+    """One layer's K/V in 4-bit blocks; a drop-in cache for mlx-lm attention layers."""
+
+    def __init__(self, layer: LayerSpec, bits: int = 4, group_size: int = 64):
+        self.layer = layer
+        self.window = layer.window
+        self._bits = bits
+        self.group_size = group_size_for(layer, group_size)
+        self.keys: QTriple | None = None
+        self.values: QTriple | None = None
+        self.start = 0  # absolute position of buffer row 0 (a block boundary)
+        self.offset = 0  # tokens seen so far; mlx-lm uses it as the RoPE offset
+        self._quantized_fetch = False
+
+    # -- mlx-lm cache protocol -------------------------------------------------
+    @property
+    def bits(self) -> int:
+        """Present only while the last fetch returned packed data (see module doc)."""
+        if not self._quantized_fetch:
+            raise AttributeError("bits")
+        return self._bits
+
+    @property
+    def used(self) -> int:
+        return self.offset - self.start
+
+    def start_after(self, n: int) -> int:
+        """Where the buffer will start once ``n`` more tokens arrive.
+
+        A pure function of the current state, so ``make_mask`` (called before the
+        update) and ``update_and_fetch`` agree.
+        """
+        if self.window is None:
+            return self.start
+        keep_from = self.offset - self.window + 1 - BLOCK_TOKENS
+        return max(self.start, keep_from // BLOCK_TOKENS * BLOCK_TOKENS)
+
+    def make_mask(self, n: int, window_size: int | None = None, return_array: bool = False):
+        window = window_size or self.window
+        start = self.start_after(n)
+        if window is None and start == 0:
+            if n == 1:
+                return None
+            if not return_array:
+                return "causal"
+        q_pos = mx.arange(self.offset, self.offset + n)[:, None]
+        k_pos = mx.arange(start, self.offset + n)[None]
+        mask = k_pos <= q_pos
+        if window is not None:
+            if n == 1 and self.offset - start < window and not return_array:
+                return None
+            mask = mask & (k_pos > q_pos - window)
+        return mask
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[Any, Any]:
+        n = keys.shape[2]
+        self._make_room(self.start_after(n), n, keys, values)
+        used = self.used
+        for buf, new in ((self.keys, self._quantize(keys)), (self.values, self._quantize(values))):
+            for part, x in zip(buf, new):
+                part[..., used : used + n, :] = x
+        self.offset += n
+        return self.fetch(dense_dtype=keys.dtype, queries=n)
+
+    def fetch(self, dense_dtype: mx.Dtype, queries: int) -> tuple[Any, Any]:
+        """The cached K and V: packed for short queries, dequantized otherwise."""
+        used = self.used
+        k = tuple(x[..., :used, :] for x in self.keys)
+        v = tuple(x[..., :used, :] for x in self.values)
+        self._quantized_fetch = queries <= QUANTIZED_ATTENTION_MAX_QUERY
+        if self._quantized_fetch:
+            return k, v
+        return self._dequantize(k, dense_dtype), self._dequantize(v, dense_dtype)
+
+    # -- buffer management -------------------------------------------------------
+    def _quantize(self, x: mx.array) -> QTriple:
+        w, s, b = mx.quantize(x, group_size=self.group_size, bits=self._bits)
+        return w, s.astype(SCALE_DTYPE), b.astype(SCALE_DTYPE)
+
+    def _dequantize(self, q: QTriple, dtype: mx.Dtype) -> mx.array:
+        return mx.dequantize(*q, group_size=self.group_size, bits=self._bits).astype(dtype)
+
+    def _empty(self, like: mx.array, rows: int) -> QTriple:
+        b, h, _, d = like.shape
+        per_int = 32 // self._bits
+        return (
+            mx.zeros((b, h, rows, d // per_int), dtype=mx.uint32),
+            mx.zeros((b, h, rows, d // self.group_size), dtype=SCALE_DTYPE),
+            mx.zeros((b, h, rows, d // self.group_size), dtype=SCALE_DTYPE),
+        )
+
+    def _make_room(self, new_start: int, n: int, keys: mx.array, values: mx.array) -> None:
+        """Drop blocks before ``new_start`` and grow capacity to fit ``n`` more tokens."""
+        if self.keys is None:
+            rows = _blocks(n) * BLOCK_TOKENS
+            self.keys, self.values = self._empty(keys, rows), self._empty(values, rows)
+            self.start = new_start
+            return
+        drop = new_start - self.start
+        need = self.used - drop + n
+        capacity = self.keys[0].shape[2]
+        if drop == 0 and need <= capacity:
+            return
+        rows = _blocks(need) * BLOCK_TOKENS
+        keep = self.used - drop
+        grown = []
+        for buf, like in ((self.keys, keys), (self.values, values)):
+            fresh = self._empty(like, rows)
+            grown.append(
+                tuple(
+                    mx.concatenate([x[..., drop : drop + keep, :], f[..., keep:, :]], axis=2)
+                    for x, f in zip(buf, fresh)
+                )
+            )
+        self.keys, self.values = grown
+        self.start = new_start
+
+    # -- rewind -------------------------------------------------------------------
+    def can_rewind_to(self, position: int) -> bool:
+        """True if the cache can be cut back to ``position`` tokens and stay exact."""
+        if position > self.offset:
+            return False
+        if self.window is None or self.start == 0:
+            return True
+        # The next query, at ``position``, must still see the whole window behind it.
+        return position - self.window + 1 >= self.start
+
+    def rewind_to(self, position: int) -> None:
+        if not self.can_rewind_to(position):
+            raise ValueError(f"cannot rewind a window-{self.window} layer from {self.offset} to {position}")
+        self.offset = position
+        if self.keys is not None and self.used == 0 and self.start == 0:
+            self.keys = self.values = None
+
+    def is_trimmable(self) -> bool:
+        return True
+
+    def trim(self, n: int) -> int:
+        n = min(self.offset, n)
+        self.rewind_to(self.offset - n)
+        return n
+
+    def size(self) -> int:
+        return self.offset
+
+    def empty(self) -> bool:
+        return self.keys is None
+
+    @property
+    def nbytes(self) -> int:
+        if self.keys is None:
+            return 0
+        return sum(x.nbytes for x in (*self.keys, *self.values))
+
+    # -- persistence -----------------------------------------------------------------
+    def export(self) -> dict[str, mx.array]:
+        """The valid rows as a dict of arrays (no padding), for a record on disk."""
+        if self.keys is None or self.used == 0:
+            return {}
+        used = self.used
+        names = ("w", "s", "b")
+        out = {f"k.{n}": x[..., :used, :] for n, x in zip(names, self.keys)}
+        out.update({f"v.{n}": x[..., :used, :] for n, x in zip(names, self.values)})
+        return out
+
+    def load(self, arrays: dict[str, mx.array], start: int, offset: int) -> None:
+        """Restore from ``export()`` output: rows ``start..offset``, padded to whole blocks."""
+        self.start, self.offset = start, offset
+        if not arrays:
+            self.keys = self.values = None
+            return
+        used = offset - start
+        rows = _blocks(used) * BLOCK_TOKENS
+
+        def padded(x: mx.array) -> mx.array:
+            if x.shape[2] != used:
+                raise ValueError(f"record holds {x.shape[2]} rows, header says {used}")
+            pad = mx.zeros((*x.shape[:2], rows - used, x.shape[3]), dtype=x.dtype)
+            return mx.concatenate([x, pad], axis=2)
+
+        self.keys = tuple(padded(arrays[f"k.{n}"]) for n in ("w", "s", "b"))
+        self.values = tuple(padded(arrays[f"v.{n}"]) for n in ("w", "s", "b"))

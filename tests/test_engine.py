@@ -1,0 +1,223 @@
+"""Engine behaviour on tiny random-weight models: exactness, reuse, isolation, budget, bad input."""
+
+from __future__ import annotations
+
+import textwrap
+
+import numpy as np
+import pytest
+from conftest import run_in_subprocess
+
+from kvshelf.engine import Engine
+from kvshelf.errors import InvalidAgentId
+
+KINDS = ["llama", "gemma3_text", "deepseek_v2"]
+LONG = " ".join(f"fact {i}: the sky was {['blue', 'grey', 'red'][i % 3]} on day {i}." for i in range(30))
+
+
+def convo(extra: str = "") -> list[dict]:
+    return [
+        {"role": "system", "content": "You are a careful note taker."},
+        {"role": "user", "content": LONG + extra},
+    ]
+
+
+def convo_of(text: str) -> list[dict]:
+    return [{"role": "user", "content": text}]
+
+
+def follow_up(msgs: list[dict], reply: str, question: str) -> list[dict]:
+    return [*msgs, {"role": "assistant", "content": reply}, {"role": "user", "content": question}]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_restore_in_new_process_is_bit_identical(kind, tiny_dirs, tmp_path):
+    """An agent restored from disk by a new process continues exactly as the one still in RAM."""
+    engine = Engine(model=tiny_dirs[kind], cache_dir=tmp_path)
+    first = engine.chat("alice", convo(), max_tokens=12)
+    msgs2 = follow_up(convo(), first.text, "And on day 7?")
+    code = textwrap.dedent(
+        f"""
+        import json, numpy as np, kvshelf
+        from kvshelf.engine import Engine
+        e = Engine(model={str(tiny_dirs[kind])!r}, cache_dir={str(tmp_path)!r})
+        msgs = {msgs2!r}
+        logits = e.prefill("alice", msgs)
+        np.save({str(tmp_path / "restored.npy")!r}, logits)
+        r = e.chat("alice", msgs, max_tokens=12)
+        print(json.dumps({{"tokens": r.token_ids, "cache": r.cache, "cached": r.usage.cached_tokens}}))
+        """
+    )
+    restored = run_in_subprocess(code)
+    logits_ram = engine.prefill("alice", msgs2)
+    in_ram = engine.chat("alice", msgs2, max_tokens=12)
+    assert np.array_equal(np.load(tmp_path / "restored.npy"), logits_ram)
+    assert restored["tokens"] == in_ram.token_ids
+    assert in_ram.cache == "hot"
+    # the new process found alice on disk and reused everything but the last prompt token
+    assert restored["cached"] == in_ram.usage.cached_tokens == in_ram.usage.prompt_tokens - 1
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_growing_conversation_prefills_only_new_tokens(kind, tiny_dirs, tmp_path):
+    engine = Engine(model=tiny_dirs[kind], cache_dir=tmp_path)
+    r1 = engine.chat("bob", convo(), max_tokens=10)
+    assert r1.cache == "cold" and r1.usage.cached_tokens == 0
+    r2 = engine.chat("bob", follow_up(convo(), r1.text, "Summarise."), max_tokens=10)
+    assert r2.cache == "hot"
+    # everything the model has seen is reused, generated tokens included (the last
+    # generated token was sampled but never fed back, so it is the first new one)
+    assert r2.usage.cached_tokens == r1.usage.prompt_tokens + r1.usage.completion_tokens - 1
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_divergence_cuts_back_and_matches_fresh_computation(kind, tiny_dirs, tmp_path):
+    """With one-token steps, state is a pure function of the tokens, so reuse must be exact."""
+    warm = Engine(model=tiny_dirs[kind], cache_dir=tmp_path / "a", prefill_chunk=1)
+    fresh = Engine(model=tiny_dirs[kind], cache_dir=tmp_path / "b", prefill_chunk=1)
+    first = [convo()[0], {"role": "user", "content": LONG[:300] + " First version of the question?"}]
+    edited = [convo()[0], {"role": "user", "content": LONG[:300] + " Second, edited question!"}]
+    warm.chat("carol", first, max_tokens=6)
+    r = warm.chat("carol", edited, max_tokens=8)
+    ref = fresh.chat("carol", edited, max_tokens=8)
+    encode = lambda m: warm.tokenizer.encode_prompt(warm.loaded.template.render(m))  # noqa: E731
+    first_ids, edited_ids = encode(first), encode(edited)
+    common = next(i for i, (a, b) in enumerate(zip(first_ids, edited_ids)) if a != b)
+    assert r.usage.cached_tokens == common
+    assert ref.usage.cached_tokens == 0
+    assert r.token_ids == ref.token_ids
+    assert np.array_equal(warm.prefill("carol", edited), fresh.prefill("carol", edited))
+
+
+def test_sliding_window_rewind_and_recompute(tiny_dirs, tmp_path):
+    """Window-16 layers hold only window + one slack block; a deep rewind is recomputed."""
+    warm = Engine(model=tiny_dirs["gemma3_text"], cache_dir=tmp_path / "a", prefill_chunk=1)
+    fresh = Engine(model=tiny_dirs["gemma3_text"], cache_dir=tmp_path / "b", prefill_chunk=1)
+    text = LONG[:560]
+    warm.chat("dan", convo_of(text), max_tokens=4)
+    cache = warm.pool.get("dan")
+    for layer in cache.layers:
+        if layer.window is not None:  # bounded: the window, one slack block, block rounding
+            assert layer.offset > 600 and layer.start > 0 and layer.used <= layer.window + 2 * 256
+    # a shallow edit near the end: sliding layers can rewind, so most tokens are reused
+    near = convo_of(text[:-20] + " changed ending.")
+    r = warm.chat("dan", near, max_tokens=6)
+    assert r.usage.cached_tokens > 550
+    assert r.token_ids == fresh.chat("dan", near, max_tokens=6).token_ids
+    # a deep edit far beyond the window: nothing stale may be reused, so it is recomputed
+    far = convo_of("changed at the start " + text)
+    r = warm.chat("dan", far, max_tokens=6)
+    assert r.usage.cached_tokens == 0
+    assert r.token_ids == fresh.chat("dan", far, max_tokens=6).token_ids
+
+
+def test_agents_are_isolated(tiny_dirs, tmp_path):
+    engine = Engine(model=tiny_dirs["llama"], cache_dir=tmp_path)
+    engine.chat("erin", convo(), max_tokens=8)
+    # frank's prompt shares a long prefix with erin's, but never touches her cache
+    r = engine.chat("frank", convo(" plus one more line."), max_tokens=8)
+    assert r.cache == "cold" and r.usage.cached_tokens == 0
+    anonymous = engine.chat(None, convo(), max_tokens=8)
+    assert anonymous.usage.cached_tokens == 0 and anonymous.cache == "none"
+    assert {a.agent_id for a in engine.agents()} == {"erin", "frank"}
+    fresh = Engine(model=tiny_dirs["llama"], cache_dir=tmp_path / "other")
+    assert r.token_ids == fresh.chat("frank", convo(" plus one more line."), max_tokens=8).token_ids
+
+
+def test_budget_spills_lru_agents_and_restores_them(tiny_dirs, tmp_path):
+    unbounded = Engine(model=tiny_dirs["llama"], cache_dir=tmp_path / "u")
+    unbounded.chat("g0", convo(" agent 0"), max_tokens=5)
+    per_agent = unbounded.pool.get("g0").nbytes
+    engine = Engine(model=tiny_dirs["llama"], cache_dir=tmp_path / "b", budget=int(per_agent * 2.5))
+    replies = {}
+    for i in range(4):
+        replies[f"g{i}"] = engine.chat(f"g{i}", convo(f" agent {i}"), max_tokens=5)
+        assert engine.pool.resident_bytes <= engine.pool.budget
+    assert "g0" not in engine.pool and "g3" in engine.pool
+    msgs = follow_up(convo(" agent 0"), replies["g0"].text, "next?")
+    r = engine.chat("g0", msgs, max_tokens=5)
+    assert r.cache == "warm" and r.usage.cached_tokens > 0
+    ref = Engine(model=tiny_dirs["llama"], cache_dir=tmp_path / "r")
+    ref.chat("g0", convo(" agent 0"), max_tokens=5)
+    assert r.token_ids == ref.chat("g0", msgs, max_tokens=5).token_ids
+    assert engine.pool.resident_bytes <= engine.pool.budget
+
+
+@pytest.mark.parametrize("bad", ["", "../etc/passwd", "a/b", "x" * 300, "naïve", None, 5])
+def test_bad_agent_ids_are_rejected(bad, tiny_dirs, tmp_path):
+    engine = Engine(model=tiny_dirs["llama"], cache_dir=tmp_path)
+    if bad is None:
+        assert engine.chat(None, convo(), max_tokens=2).cache == "none"
+        return
+    with pytest.raises(InvalidAgentId):
+        engine.chat(bad, convo(), max_tokens=2)
+    assert not any(tmp_path.rglob("*.safetensors"))
+
+
+def test_corrupt_and_foreign_records_are_quarantined_and_recomputed(tiny_dirs, tmp_path):
+    engine = Engine(model=tiny_dirs["llama"], cache_dir=tmp_path)
+    first = engine.chat("hana", convo(), max_tokens=6)
+    path = engine.store.path_for("hana")
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+    restarted = Engine(model=tiny_dirs["llama"], cache_dir=tmp_path)
+    r = restarted.chat("hana", convo(), max_tokens=6)
+    assert r.cache == "cold" and r.token_ids == first.token_ids
+    assert len(list(restarted.store.quarantine_dir.glob("*.safetensors"))) == 1
+    # a record written by another model (same geometry, other weights) is never used
+    other = Engine(model=tiny_dirs["gemma3_text"], cache_dir=tmp_path)
+    other.chat("ivan", convo(), max_tokens=3)
+    foreign = other.store.path_for("ivan")
+    (restarted.store.path_for("ivan")).write_bytes(foreign.read_bytes())
+    r = restarted.chat("ivan", convo(), max_tokens=3)
+    assert r.cache == "cold"
+    assert len(list(restarted.store.quarantine_dir.glob("*.safetensors"))) == 2
+
+
+def test_forget_erases_ram_and_disk(tiny_dirs, tmp_path):
+    engine = Engine(model=tiny_dirs["llama"], cache_dir=tmp_path)
+    engine.chat("jo", convo(), max_tokens=3)
+    engine.chat("kim", convo(), max_tokens=3)
+    removed = engine.forget("jo")
+    assert removed["ram_bytes_freed"] > 0 and removed["files_removed"]
+    assert not engine.store.path_for("jo").exists() and engine.store.path_for("kim").exists()
+    assert [a.agent_id for a in engine.agents()] == ["kim"]
+    assert engine.chat("jo", convo(), max_tokens=3).cache == "cold"
+
+
+def test_two_processes_on_one_cache_dir(tiny_dirs, tmp_path):
+    code = textwrap.dedent(
+        f"""
+        import json, sys, kvshelf
+        from kvshelf.engine import Engine
+        e = Engine(model={str(tiny_dirs["llama"])!r}, cache_dir={str(tmp_path)!r})
+        tag = sys.argv[1] if len(sys.argv) > 1 else "x"
+        for i in range(6):
+            for aid in ("shared-1", "shared-2"):
+                e.chat(aid, [{{"role": "user", "content": "round " + str(i) + " " * i}}], max_tokens=3)
+        e.close()
+        print(json.dumps({{"ok": True}}))
+        """
+    )
+    import concurrent.futures
+
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        results = list(pool.map(lambda _: run_in_subprocess(code), range(2)))
+    assert all(r["ok"] for r in results)
+    engine = Engine(model=tiny_dirs["llama"], cache_dir=tmp_path)
+    for aid in ("shared-1", "shared-2"):
+        assert engine.chat(aid, [{"role": "user", "content": "round 5     "}], max_tokens=3).cache == "warm"
+    assert not list(engine.store.quarantine_dir.glob("*.safetensors"))
+
+
+def test_stop_strings_and_streaming(tiny_dirs, tmp_path):
+    engine = Engine(model=tiny_dirs["llama"], cache_dir=tmp_path)
+    full = engine.chat("lee", convo(), max_tokens=20)
+    assert full.finish_reason == "length" and full.usage.completion_tokens == 20
+    stop = full.text[5:8]
+    r = engine.chat("lee", convo(), max_tokens=20, stop=[stop])
+    assert r.finish_reason == "stop" and stop not in r.text and full.text.startswith(r.text)
+    chunks = list(engine.stream("lee", convo(), max_tokens=20))
+    assert "".join(c for c in chunks if isinstance(c, str)) == full.text
+    assert chunks[-1].text == full.text
