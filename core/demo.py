@@ -57,29 +57,38 @@ def run_demo(
 ) -> dict:
     """Run the round-table; returns a summary (also printed)."""
     engine = Engine(model=model, cache_dir=cache_dir, budget=budget)
-    state_file = engine.cache_dir / "demo-transcript.json"
+    state_file = engine.cache_dir / "demo-state.json"
     if fresh:
         for agent in AGENTS:
             engine.forget(f"demo-{agent}")
         state_file.unlink(missing_ok=True)
-    transcript: list[dict] = json.loads(state_file.read_text()) if state_file.exists() else []
-    first_turn = 1 + (max((t["turn"] for t in transcript), default=0))
+    state = json.loads(state_file.read_text()) if state_file.exists() else _new_state()
+    histories, unheard = state["histories"], state["unheard"]
+    first_turn = state["turn"] + 1
     print(f"kvshelf demo: {len(AGENTS)} agents on {engine.loaded.name}; caches in {engine.cache_dir}")
-    if transcript:
-        print(f"continuing the conversation from turn {first_turn} (caches should come back warm from disk)")
+    if first_turn > 1:
+        print(f"continuing the conversation at round {first_turn}: every agent's cache should come back warm from disk")
     t0 = time.perf_counter()
     counts = {"hot": 0, "warm": 0, "cold": 0}
-    ttfts = {"hot": [], "warm": [], "cold": []}
+    ttfts: dict[str, list[float]] = {"hot": [], "warm": [], "cold": []}
     for turn in range(first_turn, first_turn + turns):
-        for agent, persona in AGENTS.items():
-            messages = _history(agent, persona, transcript, turn)
-            result = engine.chat(f"demo-{agent}", messages, max_tokens=max_tokens)
+        for agent in AGENTS:
+            # Like a framework's agent memory: the agent hears what others said since its
+            # last turn, as one user message, and its own replies stay assistant messages.
+            heard = unheard[agent] + [f"Round {turn}: what do you say now?"]
+            histories[agent].append({"role": "user", "content": "\n".join(heard)})
+            result = engine.chat(f"demo-{agent}", histories[agent], max_tokens=max_tokens)
+            histories[agent].append({"role": "assistant", "content": result.text})
+            unheard[agent] = []
+            for other in AGENTS:
+                if other != agent:
+                    unheard[other].append(f"{AGENTS_NAMES[agent]} said: {result.text.strip()}")
             info = next(a for a in engine.agents() if a.agent_id == f"demo-{agent}")
             print(_row(agent, turn, result, info.ram_bytes, info.disk_bytes))
             counts[result.cache] += 1
             ttfts[result.cache].append(result.ttft_s)
-            transcript.append({"turn": turn, "agent": agent, "text": result.text})
-            state_file.write_text(json.dumps(transcript, indent=1))
+        state["turn"] = turn
+        state_file.write_text(json.dumps(state, indent=1))
     engine.close()
     wall = time.perf_counter() - t0
     summary = {
@@ -92,20 +101,12 @@ def run_demo(
     return summary
 
 
-def _history(agent: str, persona: str, transcript: list[dict], turn: int) -> list[dict]:
-    """The agent's own view: its replies as assistant turns, everyone else's as user turns."""
-    messages = [{"role": "system", "content": persona}]
-    pending = [f"Topic: {TOPIC}"]
-    for entry in transcript:
-        if entry["agent"] == agent:
-            messages.append({"role": "user", "content": "\n".join(pending)})
-            messages.append({"role": "assistant", "content": entry["text"]})
-            pending = []
-        else:
-            pending.append(f"{AGENTS_NAMES[entry['agent']]} said: {entry['text']}")
-    pending.append(f"Round {turn}: what do you say now?")
-    messages.append({"role": "user", "content": "\n".join(pending)})
-    return messages
+def _new_state() -> dict:
+    return {
+        "turn": 0,
+        "histories": {a: [{"role": "system", "content": p}] for a, p in AGENTS.items()},
+        "unheard": {a: [f"Topic: {TOPIC}"] for a in AGENTS},
+    }
 
 
 AGENTS_NAMES = {"planner": "Ada", "historian": "Ben", "shopkeeper": "Cleo", "student": "Dev"}
