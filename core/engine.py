@@ -33,6 +33,10 @@ from .template import Message, validate_messages
 
 log = logging.getLogger("kvshelf.engine")
 
+# A short input runs in one call with logits for every position (cheaper than a
+# separate call for the last token); a longer one is chunked, then its last token.
+FINAL_CALL_MAX_TOKENS = 32
+
 CacheSource = Literal["hot", "warm", "cold", "none"]
 
 
@@ -231,6 +235,16 @@ class Engine:
                 "files_removed": [str(p) for p in removed],
             }
 
+    def evict(self, agent_id: str) -> bool:
+        """Save an agent and drop it from RAM (its next request restores it from disk)."""
+        aid = validate_agent_id(agent_id)
+        with self._lock:
+            cache = self.pool.get(aid)
+            if cache is None or (aid in self._unsaved and not self._save(aid, cache)):
+                return False
+            self.pool.pop(aid)
+            return True
+
     def flush(self) -> None:
         """Retry any saves that failed earlier (for example on a full disk)."""
         with self._lock:
@@ -315,10 +329,12 @@ class Engine:
     def _forward(self, cache: AgentCache, ids: list[int]) -> mx.array:
         """Run ``ids`` through the model into ``cache``; return the last position's logits.
 
-        All but the last token go in prefill chunks whose logits are never evaluated
-        (so the vocabulary projection runs for one position only).
+        Long inputs go in prefill chunks whose logits are never evaluated, so the
+        vocabulary projection (262K rows for Gemma) runs for the final call only; that
+        final call is the last token, or all of a short input at once.
         """
-        body, last = ids[:-1], ids[-1:]
+        final = len(ids) if len(ids) <= FINAL_CALL_MAX_TOKENS else 1
+        body, last = ids[: len(ids) - final], ids[len(ids) - final :]
         for i in range(0, len(body), self.prefill_chunk):
             self.model(mx.array(body[i : i + self.prefill_chunk])[None], cache=cache.layers)
             mx.eval(cache.arrays())
