@@ -40,3 +40,24 @@ def run_in_subprocess(code: str, timeout: float = 300) -> dict:
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def continue_in_new_process(model: str, cache_dir: Path, agent_id: str, messages: list[dict], max_tokens: int) -> dict:
+    """A real restart: a new process restores ``agent_id`` from ``cache_dir`` and continues.
+
+    Returns the next-token logits after ``messages`` and the greedy reply's token ids.
+    """
+    import numpy as np
+
+    out = cache_dir / f"{agent_id}-restored.npy"
+    code = f"""
+import json, numpy as np, kvshelf
+from kvshelf.engine import Engine
+e = Engine(model={model!r}, cache_dir={str(cache_dir)!r}, progress=False)
+np.save({str(out)!r}, e.prefill({agent_id!r}, {messages!r}))
+r = e.chat({agent_id!r}, {messages!r}, max_tokens={max_tokens})
+print(json.dumps({{"tokens": r.token_ids, "cache": r.cache, "cached": r.usage.cached_tokens}}))
+"""
+    result = run_in_subprocess(code)
+    result["logits"] = np.load(out)
+    return result

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import textwrap
-
 import numpy as np
 import pytest
-from conftest import run_in_subprocess
+from conftest import continue_in_new_process
 
 from kvshelf.engine import Engine
 
@@ -34,20 +32,10 @@ def test_embedded_restore_after_restart_is_bit_identical(embedded_loaded, tmp_pa
     first = engine.chat("tutor", MESSAGES, max_tokens=12)
     assert first.text.strip()
     follow = [*MESSAGES, {"role": "assistant", "content": first.text}, {"role": "user", "content": "And Germany?"}]
-    code = textwrap.dedent(
-        f"""
-        import json, numpy as np, kvshelf
-        from kvshelf.engine import Engine
-        e = Engine(model="embedded", cache_dir={str(tmp_path)!r}, progress=False)
-        np.save({str(tmp_path / "restored.npy")!r}, e.prefill("tutor", {follow!r}))
-        r = e.chat("tutor", {follow!r}, max_tokens=12)
-        print(json.dumps({{"tokens": r.token_ids, "cache": r.cache, "cached": r.usage.cached_tokens}}))
-        """
-    )
-    restored = run_in_subprocess(code)
+    restored = continue_in_new_process("embedded", tmp_path, "tutor", follow, 12)
     logits = engine.prefill("tutor", follow)
     in_ram = engine.chat("tutor", follow, max_tokens=12)
-    assert np.array_equal(np.load(tmp_path / "restored.npy"), logits)
+    assert np.array_equal(restored["logits"], logits)
     assert restored["tokens"] == in_ram.token_ids
     assert restored["cached"] == in_ram.usage.cached_tokens == in_ram.usage.prompt_tokens - 1
 

@@ -6,7 +6,7 @@ import textwrap
 
 import numpy as np
 import pytest
-from conftest import run_in_subprocess
+from conftest import continue_in_new_process, run_in_subprocess
 
 from kvshelf.engine import Engine
 from kvshelf.errors import InvalidAgentId
@@ -36,22 +36,10 @@ def test_restore_in_new_process_is_bit_identical(kind, tiny_dirs, tmp_path):
     engine = Engine(model=tiny_dirs[kind], cache_dir=tmp_path)
     first = engine.chat("alice", convo(), max_tokens=12)
     msgs2 = follow_up(convo(), first.text, "And on day 7?")
-    code = textwrap.dedent(
-        f"""
-        import json, numpy as np, kvshelf
-        from kvshelf.engine import Engine
-        e = Engine(model={str(tiny_dirs[kind])!r}, cache_dir={str(tmp_path)!r})
-        msgs = {msgs2!r}
-        logits = e.prefill("alice", msgs)
-        np.save({str(tmp_path / "restored.npy")!r}, logits)
-        r = e.chat("alice", msgs, max_tokens=12)
-        print(json.dumps({{"tokens": r.token_ids, "cache": r.cache, "cached": r.usage.cached_tokens}}))
-        """
-    )
-    restored = run_in_subprocess(code)
+    restored = continue_in_new_process(str(tiny_dirs[kind]), tmp_path, "alice", msgs2, 12)
     logits_ram = engine.prefill("alice", msgs2)
     in_ram = engine.chat("alice", msgs2, max_tokens=12)
-    assert np.array_equal(np.load(tmp_path / "restored.npy"), logits_ram)
+    assert np.array_equal(restored["logits"], logits_ram)
     assert restored["tokens"] == in_ram.token_ids
     assert in_ram.cache == "hot"
     # the new process found alice on disk and reused everything but the last prompt token
@@ -221,3 +209,19 @@ def test_stop_strings_and_streaming(tiny_dirs, tmp_path):
     chunks = list(engine.stream("lee", convo(), max_tokens=20))
     assert "".join(c for c in chunks if isinstance(c, str)) == full.text
     assert chunks[-1].text == full.text
+
+
+def test_async_twins_match_sync(tiny_dirs, tmp_path):
+    import asyncio
+
+    engine = Engine(model=tiny_dirs["llama"], cache_dir=tmp_path)
+    ref = Engine(model=tiny_dirs["llama"], cache_dir=tmp_path / "ref").chat("m", convo(), max_tokens=8)
+
+    async def main():
+        r = await engine.achat("m", convo(), max_tokens=8)
+        chunks = [c async for c in engine.astream("n", convo(), max_tokens=8)]
+        return r, chunks
+
+    r, chunks = asyncio.run(main())
+    assert r.token_ids == ref.token_ids
+    assert "".join(c for c in chunks if isinstance(c, str)) == ref.text and chunks[-1].token_ids == ref.token_ids
