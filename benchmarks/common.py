@@ -29,6 +29,21 @@ def offline_text() -> str:
     return "\n\n".join(parts)
 
 
+def licence_text(name: str = "GPL-3") -> str:
+    """One licence from Debian's common-licenses (GPL-3: about 8K Gemma tokens of legal prose)."""
+    return (Path("/usr/share/common-licenses") / name).read_text(errors="replace")
+
+
+def pydoc_text() -> str:
+    """Python's reference-manual topics (pydoc_data): technical prose with code, 100K+ tokens."""
+    from pydoc_data.topics import topics
+
+    return "\n\n".join(topics[k] for k in sorted(topics))
+
+
+TEXTS = {"gpl3": licence_text, "pydoc": pydoc_text}
+
+
 def prompt_of_tokens(tokenizer, n: int, salt: str = "") -> str:
     """Text that encodes to about ``n`` tokens (a distinct ``salt`` makes distinct prompts)."""
     ids = tokenizer.encode(salt + offline_text())

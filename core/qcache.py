@@ -54,7 +54,15 @@ def _blocks(n: int) -> int:
 
 
 class QuantizedLayerCache(_BaseCache):
-    """One layer's K/V in 4-bit blocks; a drop-in cache for mlx-lm attention layers."""
+    """One layer's K/V in 4-bit blocks; a drop-in cache for mlx-lm attention layers.
+
+    Subclasses (``kvschemes``) change how tokens are coded through a few hooks:
+    ``_write`` (store new tokens), ``_dequantize_keys``/``_dequantize_values`` (the
+    dense path) and ``QUANTIZED_DECODE`` (whether the packed rows can go straight to
+    mlx-lm's ``quantized_matmul``).
+    """
+
+    QUANTIZED_DECODE = True
 
     def __init__(self, layer: LayerSpec, bits: int = 4, group_size: int = 64):
         self.layer = layer
@@ -110,22 +118,26 @@ class QuantizedLayerCache(_BaseCache):
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[Any, Any]:
         n = keys.shape[2]
         self._make_room(self.start_after(n), n, keys, values)
-        used = self.used
+        self._write(keys, values, self.used)
+        self.offset += n
+        return self.fetch(dense_dtype=keys.dtype, queries=n)
+
+    def _write(self, keys: mx.array, values: mx.array, used: int) -> None:
+        """Store new tokens at buffer rows ``used..used+n`` (room is already made)."""
+        n = keys.shape[2]
         for buf, new in ((self.keys, self._quantize(keys)), (self.values, self._quantize(values))):
             for part, x in zip(buf, new):
                 part[..., used : used + n, :] = x
-        self.offset += n
-        return self.fetch(dense_dtype=keys.dtype, queries=n)
 
     def fetch(self, dense_dtype: mx.Dtype, queries: int) -> tuple[Any, Any]:
         """The cached K and V: packed for short queries, dequantized otherwise."""
         used = self.used
         k = tuple(x[..., :used, :] for x in self.keys)
         v = tuple(x[..., :used, :] for x in self.values)
-        self._quantized_fetch = queries <= QUANTIZED_ATTENTION_MAX_QUERY
+        self._quantized_fetch = self.QUANTIZED_DECODE and queries <= QUANTIZED_ATTENTION_MAX_QUERY
         if self._quantized_fetch:
             return k, v
-        return self._dequantize(k, dense_dtype), self._dequantize(v, dense_dtype)
+        return self._dequantize_keys(k, dense_dtype), self._dequantize_values(v, dense_dtype)
 
     # -- buffer management -------------------------------------------------------
     def _quantize(self, x: mx.array) -> QTriple:
@@ -136,6 +148,12 @@ class QuantizedLayerCache(_BaseCache):
         # Widen the scales first: an fp16 dequantize runs 5x slower on the CPU.
         w, s, b = q
         return mx.dequantize(w, s.astype(dtype), b.astype(dtype), group_size=self.group_size, bits=self._bits)
+
+    def _dequantize_keys(self, q: QTriple, dtype: mx.Dtype) -> mx.array:
+        return self._dequantize(q, dtype)
+
+    def _dequantize_values(self, q: QTriple, dtype: mx.Dtype) -> mx.array:
+        return self._dequantize(q, dtype)
 
     def _empty(self, like: mx.array, rows: int) -> QTriple:
         b, h, _, d = like.shape
