@@ -65,6 +65,19 @@ def _compute_dtype() -> mx.Dtype:
     return mx.float32 if mx.default_device() == mx.cpu else mx.float16
 
 
+def materialize(model: nn.Module) -> None:
+    """Evaluate every array the model holds, private ones included.
+
+    MLX streams belong to threads, and some models build arrays lazily in ``__init__``
+    (DeepSeek's YaRN RoPE frequencies). Evaluated now, they can be used from the
+    scheduler's thread; left lazy, they would fail there.
+    """
+    arrays = [
+        v for m in model.modules() for v in (*m.values(), *vars(m).values()) if isinstance(v, mx.array)
+    ]
+    mx.eval(model.parameters(), arrays)
+
+
 def directory_fingerprint(path: Path) -> str:
     """sha256 over the config and each weight file's name, size, head and tail."""
     h = hashlib.sha256()
@@ -93,6 +106,7 @@ def load_from_directory(path: Path, fingerprint: str | None = None) -> LoadedMod
     """Load an mlx-lm model directory with a ``tokenizer.json``."""
     model, config = mlx_load_model(path)
     model.set_dtype(_compute_dtype())
+    materialize(model)
     tok = Tokenizer.from_file(str(path / "tokenizer.json"))
     tok_config_path = path / "tokenizer_config.json"
     tok_config = json.loads(tok_config_path.read_text()) if tok_config_path.exists() else {}

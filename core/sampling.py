@@ -18,6 +18,8 @@ class Sampler:
         self.temperature = temperature
         self.top_p = top_p
         self._key = mx.random.key(seed) if seed is not None else None
+        if self._key is not None:
+            mx.eval(self._key)  # made on the caller's thread; used on the scheduler's
 
     def __call__(self, logits: mx.array) -> mx.array:
         """``logits``: (vocab,) for one position. Returns a scalar token id array."""

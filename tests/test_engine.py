@@ -145,6 +145,7 @@ def test_bad_agent_ids_are_rejected(bad, tiny_dirs, tmp_path):
 def test_corrupt_and_foreign_records_are_quarantined_and_recomputed(tiny_dirs, tmp_path):
     engine = Engine(model=tiny_dirs["llama"], cache_dir=tmp_path)
     first = engine.chat("hana", convo(), max_tokens=6)
+    engine.flush()  # saves are written behind; wait for the record
     path = engine.store.path_for("hana")
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 0xFF
@@ -156,6 +157,7 @@ def test_corrupt_and_foreign_records_are_quarantined_and_recomputed(tiny_dirs, t
     # a record written by another model (same geometry, other weights) is never used
     other = Engine(model=tiny_dirs["gemma3_text"], cache_dir=tmp_path)
     other.chat("ivan", convo(), max_tokens=3)
+    other.flush()
     foreign = other.store.path_for("ivan")
     (restarted.store.path_for("ivan")).write_bytes(foreign.read_bytes())
     r = restarted.chat("ivan", convo(), max_tokens=3)
@@ -167,6 +169,7 @@ def test_forget_erases_ram_and_disk(tiny_dirs, tmp_path):
     engine = Engine(model=tiny_dirs["llama"], cache_dir=tmp_path)
     engine.chat("jo", convo(), max_tokens=3)
     engine.chat("kim", convo(), max_tokens=3)
+    engine.flush()
     removed = engine.forget("jo")
     assert removed["ram_bytes_freed"] > 0 and removed["files_removed"]
     assert not engine.store.path_for("jo").exists() and engine.store.path_for("kim").exists()

@@ -1,0 +1,41 @@
+"""What the engine hands back: a chat result with usage and timing, and agent listings."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+CacheSource = Literal["hot", "warm", "cold", "none"]
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+@dataclass
+class ChatResult:
+    text: str
+    finish_reason: Literal["stop", "length"]
+    usage: Usage
+    ttft_s: float
+    total_s: float = 0.0
+    cache: CacheSource = "cold"  # where the agent's cache came from for this request
+    agent_id: str | None = None
+    token_ids: list[int] = field(default_factory=list, repr=False)
+
+
+@dataclass
+class AgentInfo:
+    agent_id: str
+    tokens: int
+    ram_bytes: int
+    disk_bytes: int
+    last_used: float | None
+    resident: bool
