@@ -94,12 +94,17 @@ class Engine:
     def stream(self, agent_id: str | None, messages: Sequence[Message], **params: Any) -> Iterator[str | ChatResult]:
         """Yield text chunks as they are generated, then the final ``ChatResult``.
 
-        Closing the iterator early cancels the request; the agent's cache is saved as
-        far as it got.
+        The request is queued at once (so several streams opened in turn for one agent
+        are served in that order). Closing the iterator early cancels the request; the
+        agent's cache is kept as far as it got.
         """
         inbox: queue.SimpleQueue = queue.SimpleQueue()
         request = self._request(agent_id, messages, inbox.put, **params)
         self._scheduler.submit(request)
+        return self._drain(inbox, request)
+
+    @staticmethod
+    def _drain(inbox: queue.SimpleQueue, request: Request) -> Iterator[str | ChatResult]:
         try:
             while True:
                 item = inbox.get()
@@ -184,6 +189,11 @@ class Engine:
                 f"the prompt is {len(prompt)} tokens; this model's context is {self.loaded.context_length}"
             )
         return prompt
+
+    @property
+    def stats(self) -> dict[str, int]:
+        """Scheduler counters: decode steps run, tokens decoded in them, largest batch."""
+        return dict(self._scheduler.stats)
 
     # -- agents ---------------------------------------------------------------------------
     def agents(self) -> list[AgentInfo]:

@@ -161,6 +161,7 @@ class Scheduler:
         self._io = IOThread("kvshelf-io")
         self._stopping = False
         self._closed = False
+        self.stats = {"decode_steps": 0, "decoded_tokens": 0, "max_batch": 0, "prefill_calls": 0}
         self._thread = threading.Thread(target=self._run, name="kvshelf-scheduler", daemon=True)
         self._thread.start()
         _close_at_exit(self)
@@ -286,6 +287,7 @@ class Scheduler:
                 self._fail(r, exc)
                 return
             n = r.plan.pop(0)
+            self.stats["prefill_calls"] += 1
             ids, r.todo = r.todo[:n], r.todo[n:]
             out = self.engine.model(mx.array(ids)[None], cache=r.cache.layers)
             r.cache.tokens.extend(ids)
@@ -310,6 +312,9 @@ class Scheduler:
         if not self._decoding:
             return
         batch = list(self._decoding)
+        self.stats["decode_steps"] += 1
+        self.stats["decoded_tokens"] += len(batch)
+        self.stats["max_batch"] = max(self.stats["max_batch"], len(batch))
         x = mx.array([[r.next_token] for r in batch])
         if len(batch) == 1:
             caches: list = batch[0].cache.layers

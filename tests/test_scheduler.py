@@ -1,0 +1,144 @@
+"""The step loop: batched decode is exact, agents join and leave mid-batch, one agent's
+requests are served in order, and a crash during a write-behind save loses nothing."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+from conftest import TESTS_DIR
+
+from kvshelf.engine import Engine
+
+PROMPTS = {
+    "ann": "Tell me about the river that runs past the old mill, and the people who lived there.",
+    "ben": "List three things a lighthouse keeper does every evening.",
+    "cat": "Why do bakers start work so early in the morning? Explain.",
+    "dov": "Describe a quiet library on a rainy afternoon.",
+}
+
+
+def msgs(text: str) -> list[dict]:
+    return [{"role": "system", "content": "You answer briefly."}, {"role": "user", "content": text}]
+
+
+def run_concurrently(engine: Engine, jobs: dict[str, tuple[str, int]]) -> dict:
+    results: dict = {}
+
+    def work(aid: str, text: str, n: int) -> None:
+        results[aid] = engine.chat(aid, msgs(text), max_tokens=n)
+
+    threads = [threading.Thread(target=work, args=(aid, t, n)) for aid, (t, n) in jobs.items()]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return results
+
+
+@pytest.mark.parametrize("kind", ["llama", "gemma3_text", "deepseek_v2"])
+def test_batched_decode_matches_one_at_a_time(kind, tiny_dirs, tmp_path):
+    # different lengths, so agents leave the batch at different steps
+    jobs = {aid: (text, 6 + 4 * i) for i, (aid, text) in enumerate(PROMPTS.items())}
+    alone = Engine(model=tiny_dirs[kind], cache_dir=tmp_path / "alone")
+    sequential = {aid: alone.chat(aid, msgs(t), max_tokens=n) for aid, (t, n) in jobs.items()}
+    together = Engine(model=tiny_dirs[kind], cache_dir=tmp_path / "together")
+    concurrent = run_concurrently(together, jobs)
+    assert together.stats["max_batch"] >= 2, together.stats
+    for aid in jobs:
+        assert concurrent[aid].token_ids == sequential[aid].token_ids, aid
+    # and the agents' caches came out of the batch intact: the next turn matches too
+    for aid, (text, n) in jobs.items():
+        follow = [*msgs(text), {"role": "assistant", "content": sequential[aid].text}, {"role": "user", "content": "ok"}]
+        a = alone.chat(aid, follow, max_tokens=5)
+        b = together.chat(aid, follow, max_tokens=5)
+        assert a.token_ids == b.token_ids and a.usage.cached_tokens == b.usage.cached_tokens > 0
+
+
+def test_agents_join_a_running_batch(tiny_dirs, tmp_path):
+    engine = Engine(model=tiny_dirs["llama"], cache_dir=tmp_path)
+    ref = Engine(model=tiny_dirs["llama"], cache_dir=tmp_path / "ref")
+    long_run = engine.stream("ann", msgs(PROMPTS["ann"]), max_tokens=60)
+    first = next(long_run)  # ann is decoding now
+    assert isinstance(first, str)
+    joined = engine.chat("ben", msgs(PROMPTS["ben"]), max_tokens=8)  # admitted between steps
+    rest = list(long_run)
+    assert engine.stats["max_batch"] == 2
+    assert rest[-1].usage.completion_tokens == 60, "ann kept decoding while ben came and went"
+    assert joined.token_ids == ref.chat("ben", msgs(PROMPTS["ben"]), max_tokens=8).token_ids
+    assert rest[-1].token_ids == ref.chat("ann", msgs(PROMPTS["ann"]), max_tokens=60).token_ids
+
+
+def test_one_agents_requests_are_served_in_arrival_order(tiny_dirs, tmp_path):
+    engine = Engine(model=tiny_dirs["llama"], cache_dir=tmp_path)
+    base = PROMPTS["cat"]
+    streams = [engine.stream("cat", msgs(base + " more" * i), max_tokens=5) for i in range(3)]
+    done: dict[int, float] = {}
+    results: dict[int, object] = {}
+
+    def consume(i: int) -> None:
+        results[i] = list(streams[i])[-1]
+        done[i] = time.perf_counter()
+
+    threads = [threading.Thread(target=consume, args=(i,)) for i in (2, 1, 0)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert done[0] < done[1] < done[2]
+    assert results[0].cache == "cold"
+    # each later request found the earlier one's cache, never a half-updated one
+    assert results[1].cache == results[2].cache == "hot"
+    assert results[1].usage.cached_tokens > 0 and results[2].usage.cached_tokens > 0
+
+
+def test_long_prefill_does_not_stall_decoding_agents(tiny_dirs, tmp_path):
+    engine = Engine(model=tiny_dirs["llama"], cache_dir=tmp_path, prefill_chunk=64)
+    decoding = engine.stream("dov", msgs(PROMPTS["dov"]), max_tokens=40)
+    next(decoding)
+    before = dict(engine.stats)
+    long_prompt = " ".join(PROMPTS.values()) * 8  # ~2K byte tokens: ~30 prefill chunks
+    engine.chat("ann", msgs(long_prompt), max_tokens=2)
+    rest = list(decoding)
+    # dov kept decoding between ann's prefill chunks: decode steps ran in between
+    assert engine.stats["prefill_calls"] - before["prefill_calls"] >= 25
+    assert engine.stats["decode_steps"] - before["decode_steps"] >= 25
+    assert rest[-1].usage.completion_tokens == 40
+
+
+CRASH_LOOP = """
+import sys, kvshelf
+from kvshelf.engine import Engine
+e = Engine(model=sys.argv[1], cache_dir=sys.argv[2])
+history = [{"role": "user", "content": "start"}]
+print("ready", flush=True)
+i = 0
+while True:
+    r = e.chat("victim", history, max_tokens=8)
+    history += [{"role": "assistant", "content": r.text}, {"role": "user", "content": "go on " + str(i)}]
+    i += 1
+"""
+
+
+@pytest.mark.parametrize("delay", [0.7, 1.3, 2.1])
+def test_kill_during_write_behind_save_leaves_a_usable_record(delay, tiny_dirs, tmp_path):
+    env = dict(os.environ, PYTHONPATH=str(TESTS_DIR))
+    proc = subprocess.Popen(
+        [sys.executable, "-c", CRASH_LOOP, str(tiny_dirs["llama"]), str(tmp_path)],
+        stdout=subprocess.PIPE, env=env,
+    )
+    assert proc.stdout.readline().strip() == b"ready"
+    time.sleep(delay)  # saves are being written behind all the time by now
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    engine = Engine(model=tiny_dirs["llama"], cache_dir=tmp_path)
+    record = engine.store.load("victim")
+    assert record is not None, "the previous record must survive a kill mid-save"
+    assert not list(engine.store.quarantine_dir.glob("*.safetensors"))
+    r = engine.chat("victim", [{"role": "user", "content": "start"}], max_tokens=2)
+    assert r.cache == "warm" and r.usage.cached_tokens > 0
