@@ -1,9 +1,10 @@
-"""The ``kvshelf`` command line: ``demo`` (the main job), ``convert`` and ``agents``."""
+"""The ``kvshelf`` command line: ``demo`` (the main job), ``serve``, ``convert`` and ``agents``."""
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -24,6 +25,17 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--max-tokens", type=int, default=40)
     demo.add_argument("--fresh", action="store_true", help="forget the demo agents first")
 
+    serve = sub.add_parser("serve", help="run an OpenAI-compatible HTTP server (needs kvshelf[server])")
+    _common(serve)
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument(
+        "--api-key",
+        default=os.environ.get("KVSHELF_API_KEY"),
+        help="require 'Authorization: Bearer KEY' on every endpoint but /health "
+        "(default: $KVSHELF_API_KEY, which keeps the key out of the process list)",
+    )
+
     sub.add_parser("convert", help="convert the embedded GGUF model now (it is otherwise done on first use)")
 
     agents = sub.add_parser("agents", help="list the agents with a cache")
@@ -36,6 +48,15 @@ def main(argv: list[str] | None = None) -> int:
         from .demo import run_demo
 
         run_demo(args.model, args.cache_dir, args.turns, args.max_tokens, args.budget, args.fresh)
+    elif args.command == "serve":
+        try:
+            from .server import serve as run_server
+        except ImportError as exc:
+            print(f"kvshelf serve needs the server extra: pip install 'kvshelf[server]' ({exc})", file=sys.stderr)
+            return 2
+        run_server(
+            args.model, cache_dir=args.cache_dir, budget=args.budget, host=args.host, port=args.port, api_key=args.api_key
+        )
     elif args.command == "convert":
         from .embedded import embedded_model_dir
 

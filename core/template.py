@@ -6,6 +6,11 @@ Every template here keeps earlier turns byte-stable as the conversation grows.
 
 The embedded Gemma GGUF carries no template, so kvshelf supplies Gemma's turn format;
 models that ship a Jinja ``chat_template`` use theirs.
+
+A last assistant message marked ``"prefix": True`` (as in Mistral's API) is left open:
+the model continues it instead of starting a fresh turn. The server uses this to start
+a forced tool call or a JSON object. Its rendering is a byte prefix of the same message
+rendered complete, so the next turn still reuses the cache.
 """
 
 from __future__ import annotations
@@ -62,6 +67,16 @@ def validate_messages(messages: Any) -> list[Message]:
     return out
 
 
+def split_open_turn(messages: Sequence[Message]) -> tuple[Sequence[Message], str]:
+    """Separate a trailing ``{"role": "assistant", "prefix": True}`` message.
+
+    Returns the messages before it and its text ("" when there is no open turn).
+    """
+    if messages and messages[-1].get("role") == "assistant" and messages[-1].get("prefix") is True:
+        return messages[:-1], message_text(messages[-1])
+    return messages, ""
+
+
 def _tool_call_text(message: Message) -> str:
     calls = message.get("tool_calls") or []
     lines = []
@@ -83,6 +98,7 @@ class GemmaTemplate:
     stop_strings = ("<end_of_turn>",)
 
     def render(self, messages: Sequence[Message], add_generation_prompt: bool = True) -> str:
+        messages, opened = split_open_turn(messages)
         system = [message_text(m) for m in messages if m["role"] in ("system", "developer")]
         prefix = "\n\n".join(system) + "\n\n" if system else ""
         out = []
@@ -104,8 +120,8 @@ class GemmaTemplate:
             out.append(f"<start_of_turn>user\n{text}<end_of_turn>\n")
         if prefix:  # only system messages so far
             out.append(f"<start_of_turn>user\n{prefix.rstrip()}<end_of_turn>\n")
-        if add_generation_prompt:
-            out.append("<start_of_turn>model\n")
+        if add_generation_prompt or opened:
+            out.append("<start_of_turn>model\n" + opened)
         return "".join(out)
 
 
@@ -115,6 +131,7 @@ class ChatMLTemplate:
     stop_strings = ("<|im_end|>",)
 
     def render(self, messages: Sequence[Message], add_generation_prompt: bool = True) -> str:
+        messages, opened = split_open_turn(messages)
         out = []
         for m in messages:
             text = message_text(m)
@@ -122,8 +139,8 @@ class ChatMLTemplate:
                 calls = _tool_call_text(m)
                 text = f"{text}\n{calls}" if text and calls else text or calls
             out.append(f"<|im_start|>{m['role']}\n{text}<|im_end|>\n")
-        if add_generation_prompt:
-            out.append("<|im_start|>assistant\n")
+        if add_generation_prompt or opened:
+            out.append("<|im_start|>assistant\n" + opened)
         return "".join(out)
 
 
@@ -144,10 +161,14 @@ class JinjaTemplate:
         self.stop_strings = stop_strings
 
     def render(self, messages: Sequence[Message], add_generation_prompt: bool = True) -> str:
+        messages, opened = split_open_turn(messages)
         msgs = [dict(m, content=message_text(m)) for m in messages]
         text = self._template.render(
-            messages=msgs, add_generation_prompt=add_generation_prompt, bos_token=self._bos, eos_token=self._eos
+            messages=msgs,
+            add_generation_prompt=add_generation_prompt or bool(opened),
+            bos_token=self._bos,
+            eos_token=self._eos,
         )
         if self._bos and text.startswith(self._bos):
             text = text[len(self._bos) :]  # the engine adds BOS as a token id
-        return text
+        return text + opened

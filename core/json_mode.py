@@ -1,0 +1,81 @@
+"""``response_format`` JSON output, as a best effort with validation.
+
+kvshelf has no grammar-constrained decoding, so for ``json_object`` (and ``json_schema``,
+whose schema is shown to the model but not enforced) the server:
+
+1. appends an instruction to the system text (the same every turn, so the cache is reused);
+2. opens the model's turn with ``{``, so the reply starts as an object;
+3. cuts the reply right after the top-level object closes, dropping any chatter after it;
+4. checks the result with ``json.loads``.
+
+When the reply still is not valid JSON (the model broke the syntax, or ``max_tokens``
+cut it short, in which case ``finish_reason`` is "length"), the text is returned as
+generated, as OpenAI's JSON mode does with a truncated reply, and a warning is logged.
+Clients should parse defensively, as they must with OpenAI.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any
+
+OPENING = "{"
+
+
+def wants_json(response_format: Mapping[str, Any] | None) -> bool:
+    return bool(response_format) and response_format.get("type") in ("json_object", "json_schema")  # type: ignore[union-attr]
+
+
+def instruction(response_format: Mapping[str, Any]) -> str:
+    """The system text that asks for JSON (with the schema, for ``json_schema``)."""
+    text = "Answer with a single valid JSON object and nothing else."
+    spec = response_format.get("json_schema") or {}
+    schema = spec.get("schema") if isinstance(spec, Mapping) else None
+    if schema is not None:
+        text += " The object must match this JSON schema:\n" + json.dumps(schema, ensure_ascii=False)
+    return text
+
+
+def is_valid_json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except (json.JSONDecodeError, RecursionError):
+        return False
+    return True
+
+
+class JsonObjectCutter:
+    """Passes text through until the first top-level JSON object closes, then nothing.
+
+    It tracks brace depth outside strings (with escapes), so ``"}"`` inside a string
+    does not end the object.
+    """
+
+    def __init__(self) -> None:
+        self.depth = 0
+        self.in_string = False
+        self.escaped = False
+        self.done = False
+
+    def feed(self, chunk: str) -> str:
+        if self.done:
+            return ""
+        for i, ch in enumerate(chunk):
+            if self.in_string:
+                if self.escaped:
+                    self.escaped = False
+                elif ch == "\\":
+                    self.escaped = True
+                elif ch == '"':
+                    self.in_string = False
+            elif ch == '"':
+                self.in_string = True
+            elif ch in "{[":
+                self.depth += 1
+            elif ch in "}]":
+                self.depth -= 1
+                if self.depth <= 0:
+                    self.done = True
+                    return chunk[: i + 1]
+        return chunk
