@@ -23,6 +23,8 @@ import numpy as np
 from .agent_cache import AgentCache
 from .agent_id import validate_agent_id
 from .errors import KVShelfError
+from .kvschemes import DEFAULT_SCHEME
+from .kvschemes import scheme as kv_scheme_named
 from .model import LoadedModel, load
 from .paths import default_cache_dir
 from .pool import BlockPool
@@ -57,6 +59,7 @@ class Engine:
         budget: int | str | None = None,
         *,
         prefill_chunk: int = 256,
+        kv_scheme: str = DEFAULT_SCHEME,
         progress: bool = True,
     ) -> None:
         self.loaded = load(model, progress=progress)
@@ -67,6 +70,7 @@ class Engine:
         self.store = RecordStore(self.cache_dir, self.loaded.fingerprint)
         self.pool = BlockPool(budget)
         self.prefill_chunk = prefill_chunk
+        self.scheme = kv_scheme_named(kv_scheme)
         self.unsaved: set[str] = set()
         self._closed = False
         self._scheduler = Scheduler(self)

@@ -252,7 +252,7 @@ class Scheduler:
         eng = self.engine
         aid = r.agent_id
         if aid is None:
-            r.cache, r.source = AgentCache.empty(eng.spec), "none"
+            r.cache, r.source = AgentCache.empty(eng.spec, eng.scheme), "none"
         elif (cache := eng.pool.get(aid)) is not None:
             r.cache, r.source = cache, "hot"
         else:  # prefetch: read and verify the record on the I/O thread while others decode
@@ -265,7 +265,7 @@ class Scheduler:
                 return False
             cache = r.restoring.result()  # load_record quarantines bad records itself
             r.restoring = None
-            r.cache, r.source = (cache, "warm") if cache is not None else (AgentCache.empty(self.engine.spec), "cold")
+            r.cache, r.source = (cache, "warm") if cache is not None else (AgentCache.empty(self.engine.spec, self.engine.scheme), "cold")
         if not r.planned:
             r.cached = r.cache.reuse_prefix(r.prompt)
             r.todo = r.prompt[r.cached :]

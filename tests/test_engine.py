@@ -228,3 +228,31 @@ def test_async_twins_match_sync(tiny_dirs, tmp_path):
     r, chunks = asyncio.run(main())
     assert r.token_ids == ref.token_ids
     assert "".join(c for c in chunks if isinstance(c, str)) == ref.text and chunks[-1].token_ids == ref.token_ids
+
+
+def test_records_name_their_kv_scheme(tiny_dirs, tmp_path):
+    """A record written under another known scheme is read as that scheme; an unknown one
+    is quarantined, never misread."""
+    from kvshelf.store import CacheRecord
+
+    plain = Engine(model=tiny_dirs["gemma3_text"], cache_dir=tmp_path, kv_scheme="q4-g64-per-token-v1")
+    first = plain.chat("olga", convo(), max_tokens=6)
+    plain.close()
+    follow = follow_up(convo(), first.text, "More?")
+    ref = Engine(model=tiny_dirs["gemma3_text"], cache_dir=tmp_path / "ref", kv_scheme="q4-g64-per-token-v1")
+    ref.chat("olga", convo(), max_tokens=6)
+    expected = ref.chat("olga", follow, max_tokens=6)
+    default = Engine(model=tiny_dirs["gemma3_text"], cache_dir=tmp_path)
+    assert default.scheme.name != "q4-g64-per-token-v1"
+    r = default.chat("olga", follow, max_tokens=6)
+    assert r.cache == "warm" and r.token_ids == expected.token_ids
+    # forge a record that claims a scheme this build does not know
+    default.flush()
+    record = default.store.load("olga")
+    record.meta["scheme"] = "q3-future-scheme"
+    default.store.save("olga", CacheRecord(record.tokens, record.tensors, record.meta))
+    default.evict("olga")
+    again = Engine(model=tiny_dirs["gemma3_text"], cache_dir=tmp_path)
+    assert again.chat("olga", follow, max_tokens=6).cache == "cold"
+    reasons = [p.read_text() for p in again.store.quarantine_dir.glob("*.reason")]
+    assert any("q3-future-scheme" in text for text in reasons)

@@ -15,7 +15,7 @@ import kvshelf  # noqa: F401  (OpenBLAS before mlx)
 import mlx.core as mx
 from mlx.utils import tree_flatten
 from mlx_lm.utils import _get_classes
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
 VOCAB = 130  # 128 ASCII bytes + <s> + </s>: every generated id decodes to valid text
 
@@ -65,7 +65,9 @@ def byte_tokenizer() -> Tokenizer:
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens(["<s>", "</s>"])
+    # Added as plain (not "special") tokens so that decoding keeps them as text: a
+    # random model may emit <s>, and its reply must still re-encode to the same ids.
+    tok.add_tokens([AddedToken("<s>", special=False), AddedToken("</s>", special=False)])
     return tok
 
 
