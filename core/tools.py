@@ -21,7 +21,8 @@ content with ``finish_reason`` "stop" or "length", never as an invented call.
 Parsing is lenient: tagged calls (closing tag optional at the very end), fenced or bare
 JSON objects (or a list of them) with ``name`` and ``arguments`` (or ``parameters``).
 A call is accepted only if it names one of the offered functions and its arguments are
-a JSON object; anything else stays in the content, so no text is silently lost.
+a JSON object. The content is the text before the first valid call, and without a
+valid call all of the text is content, so a failed call is never silently lost.
 """
 
 from __future__ import annotations
@@ -153,7 +154,12 @@ def _json_value(text: str, trailing_ok: bool = False) -> Any:
 
 
 def parse_tool_calls(text: str, names: Sequence[str]) -> tuple[str, list[ToolCall]]:
-    """Split model text into (content, calls). Text that is not a valid call stays content."""
+    """Split model text into (content, calls).
+
+    The content is the text before the first valid call; what follows the calls is
+    dropped (the model was told to write nothing there, and OpenAI's message puts no
+    text after calls). Without a valid call, all the text is content.
+    """
     allowed = frozenset(names)
     if OPEN not in text:
         value = _json_value(text)
@@ -162,20 +168,15 @@ def parse_tool_calls(text: str, names: Sequence[str]) -> tuple[str, list[ToolCal
         if value is not None and all(calls):
             return "", calls  # type: ignore[return-value]
         return text, []
-    content: list[str] = []
-    calls: list[ToolCall] = []
-    pos = 0
+    content_end, calls, pos = len(text), [], 0
     while (start := text.find(OPEN, pos)) >= 0:
-        content.append(text[pos:start])
         end = text.find(CLOSE, start)
         body_end, pos = (end, end + len(CLOSE)) if end >= 0 else (len(text), len(text))
         call = _as_call(_json_value(text[start + len(OPEN) : body_end], trailing_ok=True), allowed)
-        if call is None:
-            content.append(text[start:pos])
-        else:
+        if call is not None:
+            content_end = min(content_end, start)
             calls.append(call)
-    content.append(text[pos:])
-    return "".join(content), calls
+    return text[:content_end], calls
 
 
 class ToolCallStream:

@@ -31,7 +31,10 @@ def calls_of(text: str) -> tuple[str, list[tuple[str, dict]]]:
         ('<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>', "", [("get_weather", {"city": "Paris"})]),
         # arguments as a JSON string, as OpenAI itself sends them; a second call; text before
         ('Let me see.\n<tool_call>{"name": "add", "arguments": "{\\"a\\": 1}"}</tool_call>\n'
-         '<tool_call>{"name": "get_weather", "arguments": {}}</tool_call>', "Let me see.\n\n", [("add", {"a": 1}), ("get_weather", {})]),
+         '<tool_call>{"name": "get_weather", "arguments": {}}</tool_call>\nDone.', "Let me see.\n", [("add", {"a": 1}), ("get_weather", {})]),
+        # an invalid block before a valid one stays content
+        ('<tool_call>{"name": "nope"}</tool_call><tool_call>{"name": "add", "arguments": {}}</tool_call>',
+         '<tool_call>{"name": "nope"}</tool_call>', [("add", {})]),
         # no closing tag at the very end (the turn ended), junk after the object inside the tag
         ('<tool_call>{"name": "add", "arguments": {"a": 2}}', "", [("add", {"a": 2})]),
         ('<tool_call>{"name": "add", "arguments": {"a": 2}}}</tool_call>', "", [("add", {"a": 2})]),
