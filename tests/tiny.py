@@ -71,8 +71,12 @@ def byte_tokenizer() -> Tokenizer:
     return tok
 
 
-def make_tiny_model_dir(path: Path, kind: str, seed: int = 0, **overrides) -> Path:
-    """Build a random-weight model of ``kind`` and save it as an mlx-lm directory."""
+def make_tiny_model_dir(path: Path, kind: str, seed: int = 0, eos: bool = True, **overrides) -> Path:
+    """Build a random-weight model of ``kind`` and save it as an mlx-lm directory.
+
+    ``eos=False`` declares no end-of-sequence token, so replies run to ``max_tokens``
+    (for tests that need a long generation to interrupt).
+    """
     config = {**CONFIGS[kind], **overrides}
     path.mkdir(parents=True, exist_ok=True)
     model_class, args_class = _get_classes(config)
@@ -80,7 +84,11 @@ def make_tiny_model_dir(path: Path, kind: str, seed: int = 0, **overrides) -> Pa
     model = model_class(args_class.from_dict(config))
     weights = dict(tree_flatten(model.parameters()))
     mx.save_safetensors(str(path / "model.safetensors"), weights)
-    (path / "config.json").write_text(json.dumps({**config, "eos_token_id": 129, "bos_token_id": 128}))
+    (path / "config.json").write_text(
+        json.dumps({**config, "bos_token_id": 128, **({"eos_token_id": 129} if eos else {})})
+    )
     byte_tokenizer().save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
+    (path / "tokenizer_config.json").write_text(
+        json.dumps({"bos_token": "<s>", **({"eos_token": "</s>"} if eos else {})})
+    )
     return path
