@@ -17,9 +17,8 @@ class Sampler:
             raise ValueError("top_p must be in (0, 1]")
         self.temperature = temperature
         self.top_p = top_p
-        self._key = mx.random.key(seed) if seed is not None else None
-        if self._key is not None:
-            mx.eval(self._key)  # made on the caller's thread; used on the scheduler's
+        self._seed = seed
+        self._key: mx.array | None = None  # made on first use, on the scheduler's thread
 
     def __call__(self, logits: mx.array) -> mx.array:
         """``logits``: (vocab,) for one position. Returns a scalar token id array."""
@@ -38,7 +37,9 @@ class Sampler:
         return self._categorical(logits)
 
     def _categorical(self, logits: mx.array) -> mx.array:
-        if self._key is None:
+        if self._seed is None:
             return mx.random.categorical(logits)
+        if self._key is None:
+            self._key = mx.random.key(self._seed)
         self._key, sub = mx.random.split(self._key)
         return mx.random.categorical(logits, key=sub)
