@@ -17,11 +17,39 @@ from pathlib import Path
 
 from .engine import ChatResult, Engine
 
-TOPIC = (
-    "The town of Millbrook must decide what to do with an old railway station that has "
-    "been empty for ten years. Options on the table: a public library, a food market, "
-    "a bicycle workshop, or demolition to make room for housing."
-)
+TOPIC = """\
+Briefing for the Millbrook town council, spring session.
+
+The old railway station on Station Road closed to passengers ten years ago, when the
+branch line was cut back to Ashford Junction. The building is a two-storey Victorian
+brick hall with a slate roof, a glazed canopy over the former platform, a booking hall
+of about 300 square metres, two waiting rooms, a parcels office and a goods shed of
+roughly 500 square metres behind it. The council bought the site from the railway five
+years ago for a nominal sum, on condition that it is put to public benefit within
+seven years, or it reverts.
+
+Condition: a survey last autumn found the roof sound but the canopy's cast-iron columns
+corroded at their bases. Repairing the canopy is estimated at 180,000 pounds. The
+booking hall needs rewiring, heating and accessible toilets before any public use,
+estimated at 420,000 pounds. The goods shed is structurally sound but has no insulation.
+
+Four proposals are on the table.
+1. A public library and study space in the booking hall, with the goods shed as a
+   community events room. Running cost about 95,000 pounds a year; the county would
+   fund half for the first five years if the old library on Mill Lane is sold.
+2. A covered food market, six days a week, with stalls in the booking hall and goods
+   shed. A market operator has offered a 15-year lease at 40,000 pounds a year, but wants
+   40 parking spaces, which would take the old coal yard.
+3. A bicycle workshop and repair cafe run by a charity, with bike storage for commuters
+   who ride to the bus interchange. Small rent, 12 jobs, volunteer-run evenings.
+4. Demolition and 36 homes, 12 of them affordable. A developer would pay 1.1 million
+   pounds for the site, but the heritage society has applied for listed status, which
+   would block demolition if granted.
+
+Traffic: Station Road already carries 6,000 vehicles a day and the primary school is
+200 metres away. Footfall on Station Road's shops has fallen by a third since the
+station closed. The town has 2,100 residents aged 16 to 25 and no youth centre.
+"""
 
 AGENTS = {
     "planner": "You are Ada, the town planner. You care about budgets, zoning and traffic. "
@@ -78,6 +106,7 @@ def run_demo(
             heard = unheard[agent] + [f"Round {turn}: what do you say now?"]
             histories[agent].append({"role": "user", "content": "\n".join(heard)})
             result = engine.chat(f"demo-{agent}", histories[agent], max_tokens=max_tokens)
+            engine.flush()  # saves are written behind; wait so the disk column is current
             histories[agent].append({"role": "assistant", "content": result.text})
             unheard[agent] = []
             for other in AGENTS:
@@ -105,7 +134,7 @@ def _new_state() -> dict:
     return {
         "turn": 0,
         "histories": {a: [{"role": "system", "content": p}] for a, p in AGENTS.items()},
-        "unheard": {a: [f"Topic: {TOPIC}"] for a in AGENTS},
+        "unheard": {a: [TOPIC] for a in AGENTS},
     }
 
 
