@@ -1,10 +1,11 @@
 """The engine: one model, many agents, each with its own persistent Q4 KV cache.
 
-A request names an agent. The engine finds that agent's cache (in RAM: hot; on disk:
-warm; nowhere: cold), matches the new prompt's token ids against the cached ones,
-cuts the cache back to the common prefix, prefills only the rest, generates, and
-saves the agent's record. The byte budget is enforced after every request by
-spilling the least recently used agents to disk.
+A request names an agent. Its cache is found in RAM (hot), on disk (warm) or nowhere
+(cold); the new prompt's token ids are matched against the cached ones, the cache is
+cut back to the common prefix, only the rest is prefilled, and the reply is generated
+and saved. All of that runs on the scheduler (``kvshelf.scheduler``), which batches
+every agent's decode steps together; this module is the public surface: it validates
+input in the caller's thread and hands requests to the scheduler.
 """
 
 from __future__ import annotations

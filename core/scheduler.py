@@ -193,15 +193,19 @@ class Scheduler:
 
     # -- the loop ------------------------------------------------------------------------
     def _run(self) -> None:
+        worked = True
         while True:
             idle = not (self._waiting or self._prefilling or self._decoding)
             if idle and self._stopping:
                 break
-            self._drain(block=idle)
+            # Idle: sleep until a request comes. Stalled (every request waits on a
+            # restore or a save): nap briefly in C instead of spinning, which would
+            # hold the GIL and slow the very I/O thread being waited on.
+            self._drain(timeout=0.5 if idle else (0.0 if worked else 0.002))
             try:
                 self._admit()
-                self._prefill_step()
-                self._decode_step()
+                prefilled = self._prefill_step()
+                worked = self._decode_step() or prefilled
             except Exception as exc:  # never let one bad step kill the loop
                 log.exception("scheduler step failed")
                 for r in self._prefilling + self._decoding:
@@ -210,9 +214,9 @@ class Scheduler:
             fut.exception()
         _release_mlx_thread()
 
-    def _drain(self, block: bool) -> None:
+    def _drain(self, timeout: float) -> None:
         try:
-            item = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
+            item = self._inbox.get(timeout=timeout) if timeout else self._inbox.get_nowait()
         except queue.Empty:
             return
         while True:
@@ -273,19 +277,19 @@ class Scheduler:
             r.planned = True
         return True
 
-    def _prefill_step(self) -> None:
-        """One model call for the oldest prefilling request that is ready."""
+    def _prefill_step(self) -> bool:
+        """One model call for the oldest prefilling request that is ready; False if none was."""
         for r in self._prefilling:
             if r.cancelled:
                 self._prefilling.remove(r)
                 self._complete(r)
-                return
+                return True
             try:
                 if not self._ready(r):
                     continue
             except Exception as exc:  # the record could not be read at all
                 self._fail(r, exc)
-                return
+                return True
             n = r.plan.pop(0)
             self.stats["prefill_calls"] += 1
             ids, r.todo = r.todo[:n], r.todo[n:]
@@ -293,7 +297,7 @@ class Scheduler:
             r.cache.tokens.extend(ids)
             if r.plan:
                 mx.eval(r.cache.arrays())
-                return
+                return True
             logits = out[0, -1]
             mx.eval(logits, r.cache.arrays())
             self._prefilling.remove(r)
@@ -303,14 +307,16 @@ class Scheduler:
                 r.emit(result)
             else:
                 self._accept(r, logits)
-            return
+            return True
+        return False
 
-    def _decode_step(self) -> None:
+    def _decode_step(self) -> bool:
+        """One batched decode step for every generating agent; False if there were none."""
         for r in [r for r in self._decoding if r.cancelled]:
             self._decoding.remove(r)
             self._complete(r)
         if not self._decoding:
-            return
+            return False
         batch = list(self._decoding)
         self.stats["decode_steps"] += 1
         self.stats["decoded_tokens"] += len(batch)
@@ -325,6 +331,7 @@ class Scheduler:
         for b, r in enumerate(batch):
             r.cache.tokens.append(r.next_token)
             self._accept(r, logits[b])
+        return True
 
     # -- per-token bookkeeping ------------------------------------------------------------
     def _accept(self, r: Request, logits: mx.array) -> None:
