@@ -153,6 +153,7 @@ def main() -> None:
         result = {
             "benchmark": "concurrency",
             "model": args.model,
+            "kv_scheme": engine.scheme.name,
             "throughput": throughput(engine, args.agents, args.tokens),
             "hidden_io": hidden_io(engine, args.tokens * 2),
         }

@@ -107,7 +107,8 @@ def run(sizes: list[int], runs: int, model: str) -> dict:
                 }
             )
         engine.close()
-    return {"benchmark": "ttft", "model": model, "disk_read_bytes_per_s": bandwidth, "rows": rows}
+    return {"benchmark": "ttft", "model": model, "kv_scheme": engine.scheme.name,
+            "disk_read_bytes_per_s": bandwidth, "rows": rows}
 
 
 def table(result: dict) -> str:
