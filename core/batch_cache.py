@@ -17,7 +17,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from .qcache import QuantizedLayerCache
+from .qcache import PackedFetch, QuantizedLayerCache
 
 
 def _left_pad(x: mx.array, length: int) -> mx.array:
@@ -27,7 +27,7 @@ def _left_pad(x: mx.array, length: int) -> mx.array:
     return mx.concatenate([mx.zeros((*x.shape[:2], pad, x.shape[3]), dtype=x.dtype), x], axis=2)
 
 
-class BatchLayerView:
+class BatchLayerView(PackedFetch):
     """One layer of a decode batch: one token per agent per step."""
 
     def __init__(self, members: list[QuantizedLayerCache]):
@@ -36,12 +36,6 @@ class BatchLayerView:
         self.group_size = members[0].group_size
         self._bits = members[0]._bits
         self._quantized_fetch = False
-
-    @property
-    def bits(self) -> int:
-        if not self._quantized_fetch:
-            raise AttributeError("bits")
-        return self._bits
 
     @property
     def offset(self) -> mx.array:

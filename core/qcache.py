@@ -53,7 +53,24 @@ def _blocks(n: int) -> int:
     return -(-n // BLOCK_TOKENS)
 
 
-class QuantizedLayerCache(_BaseCache):
+class PackedFetch:
+    """The ``bits`` attribute, present only while the last fetch returned packed data.
+
+    mlx-lm's attention runs ``quantized_matmul`` on any cache that has ``bits``; hiding
+    it makes the same cache hand over dense K/V instead (see the module doc).
+    """
+
+    _bits: int
+    _quantized_fetch: bool = False
+
+    @property
+    def bits(self) -> int:
+        if not self._quantized_fetch:
+            raise AttributeError("bits")
+        return self._bits
+
+
+class QuantizedLayerCache(PackedFetch, _BaseCache):
     """One layer's K/V in 4-bit blocks; a drop-in cache for mlx-lm attention layers.
 
     Subclasses (``kvschemes``) change how tokens are coded through a few hooks:
@@ -76,13 +93,6 @@ class QuantizedLayerCache(_BaseCache):
         self._quantized_fetch = False
 
     # -- mlx-lm cache protocol -------------------------------------------------
-    @property
-    def bits(self) -> int:
-        """Present only while the last fetch returned packed data (see module doc)."""
-        if not self._quantized_fetch:
-            raise AttributeError("bits")
-        return self._bits
-
     @property
     def used(self) -> int:
         return self.offset - self.start
