@@ -30,7 +30,6 @@ Rewinding into an already quantized block turns its kept rows back into an fp16 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import mlx.core as mx
 
@@ -254,8 +253,3 @@ def scheme(name: str) -> KVScheme:
         return SCHEMES[name]
     except KeyError:
         raise ValueError(f"unknown KV scheme {name!r}; known: {', '.join(SCHEMES)}") from None
-
-
-def describe(cache: Any) -> str:
-    """The scheme name of a layer cache (plain ``QuantizedLayerCache`` is the v1 scheme)."""
-    return cache.scheme.name if isinstance(cache, SchemeLayerCache) else "q4-g64-per-token-v1"
