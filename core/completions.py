@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
 from . import json_mode, tools
 from .agent_id import validate_agent_id
-from .engine import AgentBusy, ChatResult, ContextLengthExceeded
+from .engine import AgentBusy, ChatResult, ContextLengthExceeded, Engine
 from .errors import InvalidAgentId, KVShelfError
 from .openai_api import (
     ApiError,
@@ -32,6 +33,11 @@ from .openai_api import (
 )
 
 log = logging.getLogger("kvshelf.server")
+
+
+def model_id(engine: Engine) -> str:
+    """The model name clients see: the engine's model, made safe for a URL or a header."""
+    return re.sub(r"[^A-Za-z0-9._:/-]+", "-", engine.loaded.name).strip("-") or "kvshelf"
 
 
 def engine_error(exc: BaseException) -> ApiError:
@@ -174,33 +180,59 @@ def completion(items: list[str | ChatResult], turn: Turn, model: str) -> dict:
     return completion_body(completion_id(), model, message, finish, usage(result), extension(result))
 
 
+class ChunkBuilder:
+    """The chunk bodies of a streamed completion, built one engine item at a time.
+
+    Shared by the HTTP server (which sends them as SSE) and the in-process adapters
+    (which consume them directly), so a streamed reply looks the same in both.
+    """
+
+    def __init__(self, turn: Turn, model: str, include_usage: bool) -> None:
+        self.turn, self.model, self.include_usage = turn, model, include_usage
+        self.cid, self.shaper = completion_id(), ReplyShaper(turn)
+
+    def _chunk(self, delta: dict | None, finish: str | None = None, **more: Any) -> dict:
+        extra = {"usage": None} if self.include_usage else {}
+        return chunk_body(self.cid, self.model, delta, finish, **{**extra, **more})
+
+    def start(self) -> list[dict]:
+        out = [self._chunk({"role": "assistant", "content": ""})]
+        if self.turn.opening and (shown := self.shaper.feed(self.turn.opening)):
+            out.append(self._chunk({"content": shown}))
+        return out
+
+    def feed(self, item: str | ChatResult) -> list[dict]:
+        """Chunks for one engine item (a text piece, or the final result)."""
+        if not isinstance(item, ChatResult):
+            shown = self.shaper.feed(item)
+            return [self._chunk({"content": shown})] if shown else []
+        out = []
+        tail, calls, finish = self.shaper.finish(item)
+        if tail and (tail.strip() or not calls):
+            out.append(self._chunk({"content": tail}))
+        if calls:
+            out.append(self._chunk({"tool_calls": [c.to_openai(i) for i, c in enumerate(calls)]}))
+        out.append(self._chunk({}, finish, kvshelf=extension(item)))
+        if self.include_usage:
+            out.append(chunk_body(self.cid, self.model, None, usage=usage(item)))
+        return out
+
+
 async def events(
     stream: AsyncIterator[str | ChatResult], first: str | ChatResult, turn: Turn, model: str, include_usage: bool
 ) -> AsyncIterator[str]:
     """The SSE body of a streamed completion, from its first engine item on, ending in [DONE]."""
-    cid, shaper = completion_id(), ReplyShaper(turn)
-    extra = {"usage": None} if include_usage else {}
-
-    def chunk(delta: dict | None, finish: str | None = None, **more: Any) -> str:
-        return sse(chunk_body(cid, model, delta, finish, **{**extra, **more}))
-
-    yield chunk({"role": "assistant", "content": ""})
+    builder = ChunkBuilder(turn, model, include_usage)
+    for body in builder.start():
+        yield sse(body)
     item = first
     try:
-        if turn.opening and (shown := shaper.feed(turn.opening)):
-            yield chunk({"content": shown})
-        while not isinstance(item, ChatResult):
-            if shown := shaper.feed(item):
-                yield chunk({"content": shown})
+        while True:
+            for body in builder.feed(item):
+                yield sse(body)
+            if isinstance(item, ChatResult):
+                break
             item = await anext(stream)
-        tail, calls, finish = shaper.finish(item)
-        if tail and (tail.strip() or not calls):
-            yield chunk({"content": tail})
-        if calls:
-            yield chunk({"tool_calls": [c.to_openai(i) for i, c in enumerate(calls)]})
-        yield chunk({}, finish, kvshelf=extension(item))
-        if include_usage:
-            yield sse(chunk_body(cid, model, None, usage=usage(item)))
     except StopAsyncIteration:
         yield sse(error_body("Generation was stopped (the server is shutting down).", "server_error"))
     except Exception as exc:  # headers are sent: the error goes in the stream

@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
-import re
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
 from contextlib import asynccontextmanager, suppress
 from pathlib import Path
@@ -33,7 +32,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from .agent_id import validate_agent_id
-from .completions import completion, engine_error, events, prepare
+from .completions import completion, engine_error, events, model_id, prepare
 from .engine import AgentBusy, AgentInfo, ChatResult, Engine
 from .errors import InvalidAgentId
 from .openai_api import ApiError, ChatCompletionRequest, bad_request, error_body, validation_error_body
@@ -119,10 +118,6 @@ class Guard:
         await self.app(scope, receive, send)
 
 
-def model_id(engine: Engine) -> str:
-    return re.sub(r"[^A-Za-z0-9._:/-]+", "-", engine.loaded.name).strip("-") or "kvshelf"
-
-
 def _agent_body(a: AgentInfo) -> dict[str, Any]:
     return {
         "id": a.agent_id,
@@ -182,7 +177,16 @@ def create_app(
 
     @router.get("/v1/models")
     def list_models() -> dict:
-        return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "kvshelf"}]}
+        model = {"id": name, "object": "model", "created": 0, "owned_by": "kvshelf"}
+        return {"object": "list", "data": [{**model, "context_length": engine.loaded.context_length}]}
+
+    @router.post("/v1/tokenize")
+    def tokenize(body: ChatCompletionRequest) -> dict:
+        """How many prompt tokens a chat request is, as rendered for the model (tools and
+        JSON mode included): what clients need for count_tokens / remaining_tokens."""
+        turn = prepare(body, None, default_max_tokens)
+        ids = engine.tokenizer.encode_prompt(engine.loaded.template.render(turn.messages))
+        return {"object": "tokenize", "prompt_tokens": len(ids), "context_length": engine.loaded.context_length}
 
     @router.get("/v1/agents")
     def list_agents() -> dict:

@@ -14,7 +14,6 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -23,6 +22,7 @@ from pathlib import Path
 import kvshelf  # noqa: F401  (OpenBLAS before mlx)
 import httpx
 import pytest
+from servers import ServerThread
 from tiny import make_tiny_model_dir
 
 openai = pytest.importorskip("openai")
@@ -35,27 +35,6 @@ KEY = "sk-test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Current weather in a city",
                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
-
-
-class ServerThread:
-    """uvicorn on a socket we bound ourselves (so the port is known and free), in a thread."""
-
-    def __init__(self, app) -> None:
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        self.url = "http://127.0.0.1:%d" % self.sock.getsockname()[1]
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            assert time.monotonic() < deadline and self.thread.is_alive(), "server did not start"
-            time.sleep(0.02)
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(30)
-        assert not self.thread.is_alive()
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,296 @@
+"""What every framework adapter talks to: one OpenAI-shaped chat call, in-process or remote.
+
+An adapter turns its framework's messages into OpenAI chat messages, asks a backend for
+a completion for one agent, and turns the reply back. The backend is either
+
+- ``LocalBackend``: a shared in-process ``Engine`` (the default; every agent of every
+  framework in the process uses the same model and caches), or
+- ``RemoteBackend``: a running ``kvshelf serve`` (``base_url=...``), so that several
+  processes share one engine and its caches.
+
+Both run the same request code (``kvshelf.completions``: tools rendered into the prompt,
+tool calls parsed out, JSON mode, stop strings), so an adapter behaves the same in either
+mode, and both return the same bodies: an OpenAI ``chat.completion`` dict, or a stream
+of ``chat.completion.chunk`` dicts, each with kvshelf's ``kvshelf`` extension (agent,
+cache hot|warm|cold, TTFT) on the last one. Errors come out as ``BackendError`` with
+the HTTP status and OpenAI error code either way.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import AsyncIterator, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+from ..engine import Engine
+from ..errors import KVShelfError
+
+DEFAULT_MAX_TOKENS = 512
+
+
+class BackendError(KVShelfError):
+    """A request the engine or server refused or failed; ``status`` and ``code`` as in HTTP."""
+
+    def __init__(self, message: str, status: int, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.code = status, code
+
+
+# -- one engine per process ------------------------------------------------------------------
+_engines: dict[tuple[str, str], Engine] = {}
+_engines_lock = threading.Lock()
+
+
+def shared_engine(
+    model: str | Path = "embedded", cache_dir: str | Path | None = None, budget: int | str | None = None
+) -> Engine:
+    """The process-wide engine for ``(model, cache_dir)``: created once, then shared by
+    every adapter instance, so all agents are batched together and no model is loaded twice.
+    ``budget`` applies when the engine is created."""
+    key = (str(model), str(Path(cache_dir).resolve()) if cache_dir is not None else "")
+    with _engines_lock:
+        engine = _engines.get(key)
+        if engine is None or engine._closed:
+            engine = _engines[key] = Engine(model, cache_dir, budget, progress=False)
+        return engine
+
+
+class LocalBackend:
+    """Requests served by an ``Engine`` in this process."""
+
+    def __init__(self, engine: Engine) -> None:
+        from .. import completions  # pydantic: only needed once an adapter is used
+        from ..openai_api import ApiError, ChatCompletionRequest
+
+        self.engine = engine
+        self.model_name = completions.model_id(engine)
+        self.context_length = engine.loaded.context_length
+        self._c, self._ApiError, self._Request = completions, ApiError, ChatCompletionRequest
+
+    def _turn(self, agent_id: str | None, body: Mapping[str, Any]) -> Any:
+        try:
+            req = self._Request.model_validate(dict(body))
+        except Exception as exc:  # pydantic.ValidationError
+            from ..openai_api import validation_error_body
+
+            err = validation_error_body(exc.errors()) if hasattr(exc, "errors") else {"error": {"message": str(exc)}}
+            raise BackendError(err["error"]["message"], 400, err["error"].get("code")) from None
+        try:
+            return req, self._c.prepare(req, agent_id, DEFAULT_MAX_TOKENS)
+        except self._ApiError as exc:
+            raise _from_api_error(exc) from None
+
+    def _error(self, exc: BaseException) -> BackendError:
+        return _from_api_error(self._c.engine_error(exc))
+
+    def complete(self, agent_id: str | None, body: Mapping[str, Any]) -> dict:
+        _, turn = self._turn(agent_id, body)
+        try:
+            items = list(self.engine.stream(turn.agent_id, turn.messages, **turn.options))
+        except Exception as exc:
+            raise self._error(exc) from exc
+        return self._c.completion(items, turn, self.model_name)
+
+    def stream(self, agent_id: str | None, body: Mapping[str, Any]) -> Iterator[dict]:
+        """Chunk dicts; closing the iterator early cancels the request (the cache is kept)."""
+        req, turn = self._turn(agent_id, body)
+        builder = self._c.ChunkBuilder(turn, self.model_name, _include_usage(body))
+        try:
+            items = self.engine.stream(turn.agent_id, turn.messages, **turn.options)
+        except Exception as exc:
+            raise self._error(exc) from exc
+        return self._chunks(builder, items)
+
+    def _chunks(self, builder: Any, items: Iterator) -> Iterator[dict]:
+        try:
+            yield from builder.start()
+            for item in items:
+                yield from builder.feed(item)
+        except BackendError:
+            raise
+        except Exception as exc:
+            raise self._error(exc) from exc
+        finally:
+            items.close()  # type: ignore[attr-defined]
+
+    async def acomplete(self, agent_id: str | None, body: Mapping[str, Any]) -> dict:
+        """Cancelling the awaiting task cancels the engine request."""
+        _, turn = self._turn(agent_id, body)
+        stream = self.engine.astream(turn.agent_id, turn.messages, **turn.options)
+        try:
+            items = [item async for item in stream]
+        except Exception as exc:
+            raise self._error(exc) from exc
+        finally:
+            await stream.aclose()
+        return self._c.completion(items, turn, self.model_name)
+
+    async def astream(self, agent_id: str | None, body: Mapping[str, Any]) -> AsyncIterator[dict]:
+        _, turn = self._turn(agent_id, body)
+        builder = self._c.ChunkBuilder(turn, self.model_name, _include_usage(body))
+        stream = self.engine.astream(turn.agent_id, turn.messages, **turn.options)
+        try:
+            for chunk in builder.start():
+                yield chunk
+            async for item in stream:
+                for chunk in builder.feed(item):
+                    yield chunk
+        except BackendError:
+            raise
+        except Exception as exc:
+            raise self._error(exc) from exc
+        finally:
+            await stream.aclose()
+
+    def count_tokens(self, body: Mapping[str, Any]) -> int:
+        """Prompt tokens of a request as the model will see it (tools and JSON mode rendered)."""
+        _, turn = self._turn(None, body)
+        return len(self.engine.tokenizer.encode_prompt(self.engine.loaded.template.render(turn.messages)))
+
+    def close(self) -> None:
+        """The shared engine outlives any one adapter; it is closed at interpreter exit."""
+
+
+class RemoteBackend:
+    """Requests sent to a running ``kvshelf serve``; the agent goes in the X-Agent-Id header."""
+
+    def __init__(self, base_url: str, api_key: str | None = None, timeout: float = 600.0) -> None:
+        import httpx
+
+        self.base_url = base_url.rstrip("/").removesuffix("/v1")
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._client = httpx.Client(base_url=self.base_url, headers=headers, timeout=timeout)
+        self._aclient_args = {"base_url": self.base_url, "headers": headers, "timeout": timeout}
+        info = self._get("/v1/models")["data"][0]
+        self.model_name = info["id"]
+        self.context_length = int(info.get("context_length") or 8192)
+
+    @staticmethod
+    def _headers(agent_id: str | None) -> dict[str, str]:
+        return {"X-Agent-Id": agent_id} if agent_id is not None else {}
+
+    def _get(self, path: str) -> dict:
+        response = self._client.get(path)
+        _raise_for(response.status_code, response.content)
+        return response.json()
+
+    def complete(self, agent_id: str | None, body: Mapping[str, Any]) -> dict:
+        response = self._client.post("/v1/chat/completions", json={**body, "stream": False}, headers=self._headers(agent_id))
+        _raise_for(response.status_code, response.content)
+        return response.json()
+
+    def stream(self, agent_id: str | None, body: Mapping[str, Any]) -> Iterator[dict]:
+        """Closing the iterator early closes the connection, and the server cancels the request."""
+        with self._client.stream(
+            "POST", "/v1/chat/completions", json={**body, "stream": True}, headers=self._headers(agent_id)
+        ) as response:
+            if response.status_code >= 400:
+                _raise_for(response.status_code, response.read())
+            for line in response.iter_lines():
+                if (chunk := _sse_data(line)) is not None:
+                    yield chunk
+
+    async def acomplete(self, agent_id: str | None, body: Mapping[str, Any]) -> dict:
+        import httpx
+
+        async with httpx.AsyncClient(**self._aclient_args) as client:
+            response = await client.post(
+                "/v1/chat/completions", json={**body, "stream": False}, headers=self._headers(agent_id)
+            )
+        _raise_for(response.status_code, response.content)
+        return response.json()
+
+    async def astream(self, agent_id: str | None, body: Mapping[str, Any]) -> AsyncIterator[dict]:
+        import httpx
+
+        async with httpx.AsyncClient(**self._aclient_args) as client:
+            async with client.stream(
+                "POST", "/v1/chat/completions", json={**body, "stream": True}, headers=self._headers(agent_id)
+            ) as response:
+                if response.status_code >= 400:
+                    _raise_for(response.status_code, await response.aread())
+                async for line in response.aiter_lines():
+                    if (chunk := _sse_data(line)) is not None:
+                        yield chunk
+
+    def count_tokens(self, body: Mapping[str, Any]) -> int:
+        response = self._client.post("/v1/tokenize", json=dict(body))
+        _raise_for(response.status_code, response.content)
+        return int(response.json()["prompt_tokens"])
+
+    def close(self) -> None:
+        self._client.close()
+
+
+Backend = LocalBackend | RemoteBackend
+
+
+def connect(
+    model: str | Path = "embedded",
+    *,
+    base_url: str | None = None,
+    api_key: str | None = None,
+    cache_dir: str | Path | None = None,
+    budget: int | str | None = None,
+    engine: Engine | None = None,
+) -> Backend:
+    """A remote backend when ``base_url`` is given, else the shared in-process engine
+    (or ``engine``, when the caller owns one)."""
+    if base_url:
+        return RemoteBackend(base_url, api_key)
+    return LocalBackend(engine or shared_engine(model, cache_dir, budget))
+
+
+# -- helpers ---------------------------------------------------------------------------------
+def _include_usage(body: Mapping[str, Any]) -> bool:
+    return bool((body.get("stream_options") or {}).get("include_usage"))
+
+
+def _from_api_error(exc: Any) -> BackendError:
+    err = exc.body.get("error", {})
+    return BackendError(err.get("message", str(exc)), exc.status, err.get("code"))
+
+
+def _raise_for(status: int, content: bytes) -> None:
+    if status < 400:
+        return
+    try:
+        err = json.loads(content)["error"]
+        message, code = err.get("message") or f"HTTP {status}", err.get("code")
+    except (ValueError, KeyError, TypeError):
+        message, code = content.decode("utf-8", "replace")[:500] or f"HTTP {status}", None
+    raise BackendError(message, status, code)
+
+
+def _sse_data(line: str) -> dict | None:
+    """One chunk from an SSE line; errors sent inside the stream are raised."""
+    if not line.startswith("data:"):
+        return None
+    data = line[5:].strip()
+    if not data or data == "[DONE]":
+        return None
+    body = json.loads(data)
+    if "error" in body:
+        err = body["error"]
+        raise BackendError(err.get("message", "stream failed"), 500, err.get("code"))
+    return body
+
+
+def merge_chunks(chunks: list[dict]) -> dict:
+    """A whole ``chat.completion``-like message from stream chunks (content, tool calls,
+    finish_reason, usage, kvshelf extension): adapters that stream still report one result."""
+    content, calls, finish, usage, ext = "", [], None, None, {}
+    for chunk in chunks:
+        usage = chunk.get("usage") or usage
+        ext = chunk.get("kvshelf") or ext
+        for choice in chunk.get("choices", []):
+            delta = choice.get("delta") or {}
+            content += delta.get("content") or ""
+            calls.extend(delta.get("tool_calls") or [])
+            finish = choice.get("finish_reason") or finish
+    message: dict[str, Any] = {"role": "assistant", "content": content}
+    if calls:
+        message["tool_calls"] = [{k: v for k, v in c.items() if k != "index"} for c in calls]
+    return {"message": message, "finish_reason": finish, "usage": usage, "kvshelf": ext}

@@ -1,0 +1,87 @@
+"""The adapters' backend: the same OpenAI-shaped turn in-process and over HTTP.
+
+Every framework adapter sits on ``kvshelf.adapters.backend``; these tests check that the
+two modes answer alike (same text, same cache reuse, same errors) on a tiny model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+
+import pytest
+from servers import ServerThread
+
+from kvshelf.adapters.backend import BackendError, LocalBackend, RemoteBackend, connect, merge_chunks, shared_engine
+from kvshelf.engine import Engine
+from kvshelf.server import create_app
+
+BODY = {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello."}],
+        "max_tokens": 6, "temperature": 0}
+
+
+@pytest.fixture(scope="module")
+def backends(tiny_dirs, tmp_path_factory) -> Iterator[tuple[LocalBackend, RemoteBackend, Engine]]:
+    engine = Engine(tiny_dirs["gemma3_text"], tmp_path_factory.mktemp("backend-cache"), progress=False)
+    server = ServerThread(create_app(engine, close_engine=False))
+    remote = RemoteBackend(server.url + "/v1")
+    yield LocalBackend(engine), remote, engine
+    remote.close()
+    server.stop()
+    engine.close()
+
+
+def test_local_and_remote_answer_alike_and_reuse_the_agents_cache(backends):
+    local, remote, _ = backends
+    first = local.complete("ada", BODY)
+    assert first["kvshelf"]["cache"] == "cold" and first["kvshelf"]["agent_id"] == "ada"
+    again = remote.complete("ada", BODY)  # same agent, same prompt: served from its cache
+    assert again["choices"][0]["message"]["content"] == first["choices"][0]["message"]["content"]
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] > 0 and again["kvshelf"]["cache"] == "hot"
+    other = remote.complete("bob", BODY)  # another agent never sees ada's cache
+    assert other["kvshelf"]["cache"] == "cold" and other["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert local.model_name == remote.model_name and local.context_length == remote.context_length
+    assert local.count_tokens(BODY) == remote.count_tokens(BODY) == first["usage"]["prompt_tokens"]
+
+
+def test_streams_merge_to_the_whole_reply_in_both_modes(backends):
+    local, remote, _ = backends
+    body = {**BODY, "stream_options": {"include_usage": True}}
+    whole = local.complete("cy", BODY)["choices"][0]["message"]["content"]
+    for backend in (local, remote):
+        merged = merge_chunks(list(backend.stream("cy", body)))
+        assert merged["message"]["content"] == whole
+        assert merged["finish_reason"] in ("stop", "length") and merged["usage"]["completion_tokens"] >= 1
+        assert merged["kvshelf"]["agent_id"] == "cy"
+
+    async def both() -> list[dict]:
+        out = []
+        for backend in (local, remote):
+            out.append((await backend.acomplete("cy", BODY))["choices"][0]["message"]["content"])
+            out.append(merge_chunks([c async for c in backend.astream("cy", body)])["message"]["content"])
+        return out
+
+    assert asyncio.run(both()) == [whole] * 4
+
+
+@pytest.mark.parametrize("agent, body, status, code", [
+    ("../etc", BODY, 400, "invalid_agent_id"),
+    ("ok", {**BODY, "messages": []}, 400, None),
+    ("ok", {**BODY, "tool_choice": "required"}, 400, None),
+])
+def test_errors_are_the_same_backend_error_in_both_modes(backends, agent, body, status, code):
+    local, remote, _ = backends
+    errors = []
+    for backend in (local, remote):
+        with pytest.raises(BackendError) as info:
+            backend.complete(agent, body)
+        errors.append((info.value.status, info.value.code))
+    assert errors[0] == errors[1] and errors[0][0] == status
+    assert code is None or errors[0][1] == code
+
+
+def test_connect_shares_one_engine_per_model_and_cache_dir(tiny_dirs, tmp_path):
+    a = connect(tiny_dirs["llama"], cache_dir=tmp_path)
+    b = connect(tiny_dirs["llama"], cache_dir=tmp_path)
+    assert isinstance(a, LocalBackend) and a.engine is b.engine is shared_engine(tiny_dirs["llama"], tmp_path)
+    assert connect(tiny_dirs["llama"], cache_dir=tmp_path / "other").engine is not a.engine
