@@ -23,7 +23,7 @@ import numpy as np
 
 from .agent_cache import AgentCache
 from .agent_id import validate_agent_id
-from .errors import KVShelfError
+from .errors import KVShelfError, StorageError
 from .kvschemes import DEFAULT_SCHEME
 from .kvschemes import scheme as kv_scheme_named
 from .model import LoadedModel, load
@@ -31,8 +31,9 @@ from .paths import default_cache_dir
 from .pool import BlockPool
 from .results import AgentInfo, ChatResult, Usage  # noqa: F401  (re-exported)
 from .sampling import Sampler
+from .shared_prefix import SharedPrefix, SharedPrefixes
 from .scheduler import Request, Scheduler
-from .store import RecordStore
+from .store import CacheRecord, RecordStore
 from .template import Message, validate_messages
 
 log = logging.getLogger("kvshelf.engine")
@@ -44,6 +45,14 @@ class ContextLengthExceeded(KVShelfError, ValueError):
 
 class AgentBusy(KVShelfError):
     """The agent has a request in flight; erase or evict it once that finishes."""
+
+
+class AgentExists(KVShelfError):
+    """A fork would overwrite an agent that already has a cache; forget it first."""
+
+
+class UnknownAgent(KVShelfError, KeyError):
+    """No cache for this agent, in RAM or on disk."""
 
 
 class Engine:
@@ -62,16 +71,23 @@ class Engine:
         prefill_chunk: int = 256,
         kv_scheme: str = DEFAULT_SCHEME,
         progress: bool = True,
+        durable: bool = False,
     ) -> None:
+        """``durable=True``: a turn's result is handed over only once its save has ended,
+        and says whether it reached the disk (``ChatResult.saved``), so a returned turn
+        survives a crash. The default writes saves behind, after the result is returned:
+        faster to answer, but a crash in between loses that turn's cache."""
         self.loaded = load(model, progress=progress)
         self.model = self.loaded.model
         self.tokenizer = self.loaded.tokenizer
         self.spec = self.loaded.spec
         self.cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
         self.store = RecordStore(self.cache_dir, self.loaded.fingerprint)
+        self.shared = SharedPrefixes(self.cache_dir, self.loaded.fingerprint, self.spec)
         self.pool = BlockPool(budget)
         self.prefill_chunk = prefill_chunk
         self.scheme = kv_scheme_named(kv_scheme)
+        self.durable = durable
         self.unsaved: set[str] = set()
         self._closed = False
         self._scheduler = Scheduler(self)
@@ -159,7 +175,88 @@ class Engine:
 
         request = self._request(agent_id, messages, emit, prefill_only=True)
         self._scheduler.submit(request)
-        return done.result()
+        return done.result()[0]
+
+    def append(self, agent_id: str, messages: Sequence[Message]) -> Usage:
+        """Carry the agent into its next phase: prefill new context without generating.
+
+        ``messages`` is the agent's whole conversation so far, ending with what is new
+        (the next phase's instructions, the other agents' messages), as it will be sent
+        at the agent's next turn. The cached part is reused token for token, only the
+        new tokens are computed, and the agent's next ``chat`` with these messages (plus
+        anything later) starts from there. Returns prompt and cached token counts.
+        """
+        return self.prefill_ahead(agent_id, messages, background=False).result()
+
+    def prefill_ahead(self, agent_id: str, messages: Sequence[Message], *, background: bool = True) -> Future:
+        """Like ``append``, but queued at the lowest priority; returns a Future of ``Usage``.
+
+        Background prefill runs one chunk at a time, only while no request waits for its
+        first token, so it never delays one by more than a chunk. A later request for the
+        same agent (a chat, or a newer ``prefill_ahead``) takes over: the background work
+        stops after its chunk, keeps what it computed, and its Future resolves with the
+        tokens done so far. Meant for group chats: when a message is added to the shared
+        history, queue it for the agents who will speak later.
+        """
+        done: Future = Future()
+
+        def emit(item: Any) -> None:
+            if done.done():
+                return
+            if isinstance(item, BaseException):
+                done.set_exception(item)
+            else:
+                done.set_result(Usage(len(request.prompt), request.cached, 0))
+
+        request = self._request(validate_agent_id(agent_id), messages, emit, prefill_only=True)
+        request.background = background
+        self._scheduler.submit(request)
+        return done
+
+    def fork(self, source: str, new_agent: str) -> dict:
+        """Start ``new_agent`` from a copy of ``source``'s cache, sharing its whole blocks.
+
+        The blocks are held once in RAM and on disk, copy-on-write, for every agent
+        forked from the same state (see ``kvshelf.shared_prefix``); each agent's later
+        tokens are its own. Seed many agents from one preamble with
+        ``prefill(seed, preamble)`` and then ``fork(seed, name)`` for each.
+        """
+        src, dst = validate_agent_id(source), validate_agent_id(new_agent)
+        if src == dst:
+            raise ValueError("an agent cannot be forked onto itself")
+
+        def do_fork() -> dict:
+            sched = self._scheduler
+            sched.cancel_background(src)
+            sched.cancel_background(dst)
+            if sched.busy(src) or sched.busy(dst):
+                raise AgentBusy(f"agent {src if sched.busy(src) else dst!r} has a request in flight")
+            if dst in self.pool or self.store.path_for(dst).exists():
+                raise AgentExists(f"agent {dst!r} already has a cache; forget it first")
+            cache = self.pool.get(src)
+            if cache is None:
+                cache = self.load_record(src)
+                if cache is None:
+                    raise UnknownAgent(f"no cache for agent {src!r}")
+                self.pool.put(src, cache)
+            prefix = cache.share_prefix()
+            if prefix is not None:
+                live = self.shared.intern(prefix)
+                cache.adopt(live)
+            twin = cache.fork()
+            self.pool.put(dst, twin)
+            sched.save_behind(src, cache)
+            sched.save_behind(dst, twin)
+            sched.enforce_budget()
+            return {
+                "agent_id": dst,
+                "source": src,
+                "tokens": len(twin.tokens),
+                "shared_tokens": len(prefix.tokens) if prefix is not None else 0,
+                "shared_prefix": prefix.id if prefix is not None else None,
+            }
+
+        return self._scheduler.call(do_fork)
 
     def _request(
         self,
@@ -226,13 +323,16 @@ class Engine:
         aid = validate_agent_id(agent_id)
 
         def erase() -> dict:
+            self._scheduler.cancel_background(aid)
             if self._scheduler.busy(aid):
                 raise AgentBusy(f"agent {aid!r} has a request in flight")
             self._scheduler.wait_saved(aid)
             cache = self.pool.pop(aid)
             self.pool.last_used.pop(aid, None)
             self.unsaved.discard(aid)
+            self._scheduler.forget(aid)
             removed = self.store.delete(aid)
+            removed += self.shared.release(aid)  # its prefix markers; a prefix with no users left
             return {
                 "agent_id": aid,
                 "ram_bytes_freed": cache.nbytes if cache else 0,
@@ -254,17 +354,23 @@ class Engine:
 
         return self._scheduler.call(drop)
 
-    def flush(self) -> None:
-        """Wait for pending saves, and retry any that failed earlier (e.g. on a full disk)."""
+    def flush(self) -> list[str]:
+        """Wait for pending saves, and retry any that failed earlier (e.g. on a full disk).
 
-        def retry() -> None:
+        Returns the agents whose state is still not on disk (empty when everything is):
+        failed saves are also retried on their own, with backoff, but only a caller that
+        checks this knows that what it was told is durable.
+        """
+
+        def retry() -> list[str]:
             for aid in sorted(self.unsaved):
                 cache = self.pool.get(aid)
                 if cache is not None and not self._scheduler.busy(aid):
                     self._scheduler.save_behind(aid, cache)
             self._scheduler.wait_all_saves()
+            return sorted(self.unsaved)
 
-        self._scheduler.call(retry)
+        return self._scheduler.call(retry)
 
     def close(self) -> None:
         """Finish requests in flight, flush pending saves, and stop."""
@@ -284,13 +390,33 @@ class Engine:
         if self._closed:
             raise KVShelfError("this engine is closed")
 
+    def write_record(self, aid: str, record: CacheRecord, prefix: SharedPrefix | None) -> None:
+        """Write an agent's record (on the I/O thread), and its shared prefix first if it
+        has one: prefix file, then this agent's user marker, then the record, then the
+        markers it no longer needs. A crash between steps leaves at most an unused prefix."""
+        try:
+            if prefix is not None:
+                self.shared.ensure_saved(prefix)
+                self.shared.add_user(prefix.id, aid)
+            self.store.save(aid, record)
+            self.shared.release(aid, keep=prefix.id if prefix is not None else None)
+        except StorageError:
+            raise
+        except OSError as exc:
+            raise StorageError(exc.errno or 0, f"could not write the shared prefix of agent {aid!r}: {exc}") from exc
+
     def load_record(self, aid: str) -> AgentCache | None:
         """Read and verify an agent's record (runs on the I/O thread); None if unusable."""
         record = self.store.load(aid)
         if record is None:
             return None
         try:
-            cache = AgentCache.from_record_parts(self.spec, record.tokens, record.tensors, record.meta)
+            prefix = None
+            if (pid := record.meta.get("shared_prefix")) is not None:
+                prefix = self.shared.get(pid)
+                if prefix is None:
+                    raise ValueError(f"its shared prefix {pid!r} is missing or unreadable")
+            cache = AgentCache.from_record_parts(self.spec, record.tokens, record.tensors, record.meta, prefix)
         except (ValueError, KeyError) as exc:
             self.store.quarantine(aid, f"record does not fit this model: {exc}")
             return None

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from .qcache import SCALE_DTYPE, QTriple, QuantizedLayerCache
+from .qcache import SCALE_DTYPE, QTriple, QuantizedLayerCache, SharedLayer
 from .spec import BLOCK_TOKENS, LayerSpec
 
 FP16 = mx.float16
@@ -182,7 +182,7 @@ class SchemeLayerCache(QuantizedLayerCache):
         super().rewind_to(position)
         if self.sink_k is not None and position < self.sink_k.shape[2]:
             self.sink_k, self.sink_v = self.sink_k[..., :position, :], self.sink_v[..., :position, :]
-        if self.keys is None:
+        if self.keys is None and self.base is None:
             self.k_tail = self.sink_k = self.sink_v = None
             return
         if not self.scheme.channel_keys:
@@ -192,7 +192,8 @@ class SchemeLayerCache(QuantizedLayerCache):
         if row >= full:
             self.k_tail = self.k_tail[..., : used - full, :]
         else:  # back into a quantized block: its kept rows become the fp16 tail
-            block = tuple(a[..., row : row + BLOCK_TOKENS, :] for a in self.keys)
+            own_row = row - self.base_rows  # the base is whole blocks below ``full``
+            block = tuple(a[..., own_row : own_row + BLOCK_TOKENS, :] for a in self.keys)
             self.k_tail = self._dequantize_blocks(block, mx.float32)[..., : used - row, :].astype(FP16)
 
     # -- persistence --------------------------------------------------------------------
@@ -204,15 +205,16 @@ class SchemeLayerCache(QuantizedLayerCache):
         out.update({k: x for k, x in extras.items() if x is not None and x.size})
         return out
 
-    def load(self, arrays: dict[str, mx.array], start: int, offset: int) -> None:
-        base = {k: v for k, v in arrays.items() if k[:2] in ("k.", "v.") and k != "k.tail"}
-        super().load(base, start, offset)
+    def load(self, arrays: dict[str, mx.array], start: int, offset: int, base: SharedLayer | None = None) -> None:
+        own = {k: v for k, v in arrays.items() if k[:2] in ("k.", "v.") and k != "k.tail"}
+        super().load(own, start, offset, base)
         self.k_tail = arrays.get("k.tail")
         self.sink_k, self.sink_v = arrays.get("sink.k"), arrays.get("sink.v")
-        if self.scheme.channel_keys and self.keys is not None:
+        rows = self.keys if self.keys is not None else (self.base.keys if self.base is not None else None)
+        if self.scheme.channel_keys and rows is not None:
             tail = self.used % BLOCK_TOKENS
             if self.k_tail is None and tail == 0:
-                b, h, _, _ = self.keys[0].shape
+                b, h, _, _ = rows[0].shape
                 self.k_tail = mx.zeros((b, h, 0, self.layer.k_head_dim), dtype=FP16)
             if self.k_tail is None or self.k_tail.shape[2] != tail:
                 raise ValueError("record's fp16 key tail does not match its length")

@@ -1,7 +1,8 @@
 """The RAM side of the block pool: which agents are resident, and the byte budget.
 
 Blocks are owned by agents (``AgentCache``), so the pool counts real bytes: each
-agent's allocated 256-token blocks. When the total passes the budget, the least
+agent's allocated 256-token blocks, and each shared prefix (``kvshelf.shared_prefix``)
+once, however many resident agents start on it. When the total passes the budget, the least
 recently used agents are spilled (saved by the engine, then dropped), which frees
 their blocks for real.
 """
@@ -11,7 +12,7 @@ from __future__ import annotations
 import re
 import time
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 from .agent_cache import AgentCache
 
@@ -64,17 +65,27 @@ class BlockPool:
 
     @property
     def resident_bytes(self) -> int:
-        return sum(c.nbytes for c in self._agents.values())
+        """Every resident agent's own blocks, plus each shared prefix in use once."""
+        return _bytes(self._agents.values())
 
     def over_budget_victims(self) -> list[str]:
-        """Agents to spill, oldest first, until the rest fit the budget."""
+        """Agents to spill, oldest first, until the rest fit the budget.
+
+        A shared prefix is freed only with its last resident user, so spilling an agent
+        frees its own blocks, and the prefix's too if nobody else holds it."""
         if self.budget is None:
             return []
-        total = self.resident_bytes
+        rest = list(self._agents.items())
         victims = []
-        for agent_id, cache in self._agents.items():
-            if total <= self.budget:
-                break
-            victims.append(agent_id)
-            total -= cache.nbytes
+        while rest and _bytes(c for _, c in rest) > self.budget:
+            victims.append(rest.pop(0)[0])
         return victims
+
+
+def _bytes(caches: Iterable[AgentCache]) -> int:
+    own, shared = 0, {}
+    for c in caches:
+        own += c.nbytes
+        if c.shared is not None:
+            shared[c.shared.id] = c.shared.nbytes
+    return own + sum(shared.values())

@@ -19,10 +19,17 @@ Why this shape:
   than dequantizing once and running the fused dense kernel, so the cache then hides
   ``bits`` and returns the dequantized blocks. Either way every token is seen through
   its 4-bit representation, including the chunk's own tokens.
+- A forked agent starts on a shared base (``SharedLayer``): whole blocks of a common
+  prefix, held once in RAM however many agents use them, and never written. The
+  cache's own buffer holds only the rows after the base. MLX arrays are values, so
+  the partial block a fork starts with is copied on its first write, not before.
+  Rewinding into the base copies the kept rows into the cache's own buffer first
+  (copy-on-write), so a shared block is never changed under another agent.
 """
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import mlx.core as mx
@@ -36,6 +43,31 @@ QUANTIZED_ATTENTION_MAX_QUERY = 1
 SCALE_DTYPE = mx.float16
 
 QTriple = tuple[mx.array, mx.array, mx.array]
+
+
+class SharedLayer:
+    """Whole blocks of one layer's K/V that several agents' caches start with.
+
+    ``rows`` rows, from absolute position ``start``; immutable once built. Caches hold
+    it by reference, so it stays in RAM exactly as long as some resident agent uses it.
+    """
+
+    __slots__ = ("keys", "values", "start", "rows", "__weakref__")
+
+    def __init__(self, keys: QTriple, values: QTriple, start: int) -> None:
+        self.keys, self.values, self.start = keys, values, start
+        self.rows = keys[0].shape[2]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(x.nbytes for x in (*self.keys, *self.values))
+
+    def tail(self, drop: int) -> "SharedLayer | None":
+        """The same blocks without the first ``drop`` rows (a window moving past them)."""
+        if drop >= self.rows:
+            return None
+        cut = lambda q: tuple(x[..., drop:, :] for x in q)  # noqa: E731
+        return SharedLayer(cut(self.keys), cut(self.values), self.start + drop)
 
 
 def group_size_for(layer: LayerSpec, preferred: int = 64) -> int:
@@ -88,14 +120,20 @@ class QuantizedLayerCache(PackedFetch, _BaseCache):
         self.group_size = group_size_for(layer, group_size)
         self.keys: QTriple | None = None
         self.values: QTriple | None = None
-        self.start = 0  # absolute position of buffer row 0 (a block boundary)
+        self.start = 0  # absolute position of row 0 (a block boundary)
         self.offset = 0  # tokens seen so far; mlx-lm uses it as the RoPE offset
+        # Rows 0..base_rows-1 live in the shared base; own buffer row i is row base_rows+i.
+        self.base: SharedLayer | None = None
         self._quantized_fetch = False
 
     # -- mlx-lm cache protocol -------------------------------------------------
     @property
     def used(self) -> int:
         return self.offset - self.start
+
+    @property
+    def base_rows(self) -> int:
+        return self.base.rows if self.base is not None else 0
 
     def start_after(self, n: int) -> int:
         """Where the buffer will start once ``n`` more tokens arrive.
@@ -128,12 +166,14 @@ class QuantizedLayerCache(PackedFetch, _BaseCache):
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[Any, Any]:
         n = keys.shape[2]
         self._make_room(self.start_after(n), n, keys, values)
-        self._write(keys, values, self.used)
+        self._write(keys, values, self.used - self.base_rows)
         self.offset += n
         return self.fetch(dense_dtype=keys.dtype, queries=n)
 
     def _write(self, keys: mx.array, values: mx.array, used: int) -> None:
-        """Store new tokens at buffer rows ``used..used+n`` (room is already made)."""
+        """Store new tokens at own-buffer rows ``used..used+n`` (room is already made).
+
+        The base is whole blocks, so ``used`` and the row count agree modulo a block."""
         n = keys.shape[2]
         for buf, new in ((self.keys, self._quantize(keys)), (self.values, self._quantize(values))):
             for part, x in zip(buf, new):
@@ -141,13 +181,22 @@ class QuantizedLayerCache(PackedFetch, _BaseCache):
 
     def fetch(self, dense_dtype: mx.Dtype, queries: int) -> tuple[Any, Any]:
         """The cached K and V: packed for short queries, dequantized otherwise."""
-        used = self.used
-        k = tuple(x[..., :used, :] for x in self.keys)
-        v = tuple(x[..., :used, :] for x in self.values)
+        k, v = self._rows(self.keys, "keys"), self._rows(self.values, "values")
         self._quantized_fetch = self.QUANTIZED_DECODE and queries <= QUANTIZED_ATTENTION_MAX_QUERY
         if self._quantized_fetch:
             return k, v
         return self._dequantize_keys(k, dense_dtype), self._dequantize_values(v, dense_dtype)
+
+    def _rows(self, own: QTriple | None, which: str) -> QTriple:
+        """All valid rows, the shared base's first, as one packed triple."""
+        n = self.used - self.base_rows
+        mine = tuple(x[..., :n, :] for x in own) if own is not None else None
+        if self.base is None:
+            return mine  # type: ignore[return-value]
+        shared = getattr(self.base, which)
+        if not n or mine is None:
+            return shared
+        return tuple(mx.concatenate([b, x], axis=2) for b, x in zip(shared, mine))
 
     # -- buffer management -------------------------------------------------------
     def _quantize(self, x: mx.array) -> QTriple:
@@ -176,18 +225,23 @@ class QuantizedLayerCache(PackedFetch, _BaseCache):
 
     def _make_room(self, new_start: int, n: int, keys: mx.array, values: mx.array) -> None:
         """Drop blocks before ``new_start`` and grow capacity to fit ``n`` more tokens."""
+        if self.base is not None and new_start > self.start:
+            drop = min(new_start - self.start, self.base.rows)
+            self.base = self.base.tail(drop)
+            self.start += drop
         if self.keys is None:
             rows = _blocks(n) * BLOCK_TOKENS
             self.keys, self.values = self._empty(keys, rows), self._empty(values, rows)
             self.start = new_start
             return
         drop = new_start - self.start
-        need = self.used - drop + n
+        own_used = self.used - self.base_rows
+        need = own_used - drop + n
         capacity = self.keys[0].shape[2]
         if drop == 0 and need <= capacity:
             return
         rows = _blocks(need) * BLOCK_TOKENS
-        keep = self.used - drop
+        keep = own_used - drop
         grown = []
         for buf, like in ((self.keys, keys), (self.values, values)):
             fresh = self._empty(like, rows)
@@ -199,6 +253,46 @@ class QuantizedLayerCache(PackedFetch, _BaseCache):
             )
         self.keys, self.values = grown
         self.start = new_start
+
+    def unshare(self) -> None:
+        """Copy the shared base into this cache's own buffer (before writing inside it).
+
+        New array objects throughout: MLX's ``x[...] = y`` updates the object in place,
+        so an object shared with the base would carry writes into other agents' caches.
+        """
+        if self.base is None:
+            return
+
+        def join(shared: QTriple, own: QTriple | None) -> QTriple:
+            if own is None:
+                return tuple(x[..., : x.shape[2], :] for x in shared)
+            return tuple(mx.concatenate([x, o], axis=2) for x, o in zip(shared, own))
+
+        self.keys, self.values = join(self.base.keys, self.keys), join(self.base.values, self.values)
+        self.base = None
+
+    def clone(self) -> "QuantizedLayerCache":
+        """A copy that shares every array (and the base) until either side writes."""
+        twin = copy.copy(self)
+        if self.keys is not None:  # new objects: writes go through ``x[...] = y``
+            twin.keys = tuple(x[..., : x.shape[2], :] for x in self.keys)
+            twin.values = tuple(x[..., : x.shape[2], :] for x in self.values)
+        return twin
+
+    def attach_base(self, base: SharedLayer) -> None:
+        """Start on ``base``: its rows replace this cache's first ``base.rows`` rows,
+        which must hold the same data (the caller checked the tokens)."""
+        if base.start != self.start or base.rows > self.used or self.base is not None:
+            raise ValueError("a shared base must cover this cache's first rows")
+        rest = self.used - base.rows
+        if self.keys is not None:
+            if rest:  # own copies of the rows after the base, so the old buffer can go
+                end = base.rows + _blocks(rest) * BLOCK_TOKENS
+                own = lambda q: tuple(mx.contiguous(x[..., base.rows : end, :]) for x in q)  # noqa: E731
+                self.keys, self.values = own(self.keys), own(self.values)
+            else:
+                self.keys = self.values = None
+        self.base = base
 
     # -- rewind -------------------------------------------------------------------
     def can_rewind_to(self, position: int) -> bool:
@@ -213,6 +307,8 @@ class QuantizedLayerCache(PackedFetch, _BaseCache):
     def rewind_to(self, position: int) -> None:
         if not self.can_rewind_to(position):
             raise ValueError(f"cannot rewind a window-{self.window} layer from {self.offset} to {position}")
+        if position - self.start < self.base_rows:
+            self.unshare()
         self.offset = position
         if self.keys is not None and self.used == 0 and self.start == 0:
             self.keys = self.values = None
@@ -233,28 +329,34 @@ class QuantizedLayerCache(PackedFetch, _BaseCache):
 
     @property
     def nbytes(self) -> int:
+        """Bytes this cache holds alone (a shared base is counted once, by the pool)."""
         if self.keys is None:
             return 0
         return sum(x.nbytes for x in (*self.keys, *self.values))
 
     # -- persistence -----------------------------------------------------------------
     def export(self) -> dict[str, mx.array]:
-        """The valid rows as a dict of arrays (no padding), for a record on disk."""
-        if self.keys is None or self.used == 0:
+        """This cache's own valid rows (after any shared base), without padding."""
+        n = self.used - self.base_rows
+        if self.keys is None or n <= 0:
             return {}
-        used = self.used
         names = ("w", "s", "b")
-        out = {f"k.{n}": x[..., :used, :] for n, x in zip(names, self.keys)}
-        out.update({f"v.{n}": x[..., :used, :] for n, x in zip(names, self.values)})
+        out = {f"k.{m}": x[..., :n, :] for m, x in zip(names, self.keys)}
+        out.update({f"v.{m}": x[..., :n, :] for m, x in zip(names, self.values)})
         return out
 
-    def load(self, arrays: dict[str, mx.array], start: int, offset: int) -> None:
-        """Restore from ``export()`` output: rows ``start..offset``, padded to whole blocks."""
-        self.start, self.offset = start, offset
+    def load(self, arrays: dict[str, mx.array], start: int, offset: int, base: SharedLayer | None = None) -> None:
+        """Restore from ``export()`` output: rows ``start..offset`` after ``base``, padded
+        to whole blocks."""
+        self.start, self.offset, self.base = start, offset, base
+        if base is not None and base.start != start:
+            raise ValueError("shared base does not start where the record's layer starts")
         if not arrays:
+            if offset - start != self.base_rows:
+                raise ValueError("record holds no rows for this layer, header says it has some")
             self.keys = self.values = None
             return
-        used = offset - start
+        used = offset - start - self.base_rows
         rows = _blocks(used) * BLOCK_TOKENS
 
         def padded(x: mx.array) -> mx.array:

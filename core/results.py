@@ -29,6 +29,10 @@ class ChatResult:
     cache: CacheSource = "cold"  # where the agent's cache came from for this request
     agent_id: str | None = None
     token_ids: list[int] = field(default_factory=list, repr=False)
+    saved: bool | None = None
+    """Durable engines only: True once the agent's record on disk holds this turn, False
+    when its save failed (the agent is served from RAM and the save is retried). None
+    when the engine does not wait for saves (the default: they are written behind)."""
 
 
 @dataclass

@@ -22,7 +22,7 @@ import time
 import weakref
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import mlx.core as mx
@@ -40,6 +40,13 @@ log = logging.getLogger("kvshelf.scheduler")
 # A short input runs in one call with logits for every position (cheaper than a
 # separate call for the last token); a longer one is chunked, then its last token.
 FINAL_CALL_MAX_TOKENS = 32
+
+# A save that failed (full disk, lost permissions) is retried on its own, first after
+# RETRY_FIRST_S, then at doubling intervals up to RETRY_MAX_S, so a disk that frees up
+# gets the agents back on it without anyone calling flush(), and a disk that stays
+# full costs one attempt (and one logged error) per agent a minute.
+RETRY_FIRST_S = 1.0
+RETRY_MAX_S = 60.0
 
 
 def forward_plan(n: int, chunk: int) -> list[int]:
@@ -132,6 +139,7 @@ class Request:
     emit: Callable[[Any], None]
     t0: float = field(default_factory=time.perf_counter)
     cancelled: bool = False
+    background: bool = False  # prefill ahead: lowest priority, superseded by any later request
     cache: AgentCache | None = None
     restoring: Future | None = None
     planned: bool = False
@@ -161,7 +169,9 @@ class Scheduler:
         self._io = IOThread("kvshelf-io")
         self._stopping = False
         self._closed = False
-        self.stats = {"decode_steps": 0, "decoded_tokens": 0, "max_batch": 0, "prefill_calls": 0}
+        self._retry_delay = RETRY_FIRST_S
+        self._retry_at = 0.0
+        self.stats = {"decode_steps": 0, "decoded_tokens": 0, "max_batch": 0, "prefill_calls": 0, "background_calls": 0}
         self._thread = threading.Thread(target=self._run, name="kvshelf-scheduler", daemon=True)
         self._thread.start()
         _close_at_exit(self)
@@ -203,6 +213,7 @@ class Scheduler:
             # hold the GIL and slow the very I/O thread being waited on.
             self._drain(timeout=0.5 if idle else (0.0 if worked else 0.002))
             try:
+                self._retry_unsaved()
                 self._admit()
                 prefilled = self._prefill_step()
                 worked = self._decode_step() or prefilled
@@ -223,6 +234,8 @@ class Scheduler:
             if item is None:
                 self._stopping = True
             elif isinstance(item, Request):
+                if item.agent_id is not None:
+                    self.cancel_background(item.agent_id)  # the newer request takes over
                 self._waiting.append(item)
             else:
                 fn, done = item
@@ -240,6 +253,8 @@ class Scheduler:
         for r in list(self._waiting):
             if r.cancelled:
                 self._waiting.remove(r)
+                if r.background:
+                    r.emit(None)  # resolves its Future: nothing was computed
                 continue
             aid = r.agent_id
             if aid is not None:
@@ -278,12 +293,19 @@ class Scheduler:
         return True
 
     def _prefill_step(self) -> bool:
-        """One model call for the oldest prefilling request that is ready; False if none was."""
+        """One model call for the oldest prefilling request that is ready; False if none was.
+
+        Background requests (prefill ahead) get a call only while no other request waits
+        for its first token, so such a request waits at most for one background chunk.
+        """
+        foreground = any(not r.background for r in self._waiting + self._prefilling)
         for r in self._prefilling:
             if r.cancelled:
                 self._prefilling.remove(r)
                 self._complete(r)
                 return True
+            if r.background and foreground:
+                continue
             try:
                 if not self._ready(r):
                     continue
@@ -292,6 +314,7 @@ class Scheduler:
                 return True
             n = r.plan.pop(0)
             self.stats["prefill_calls"] += 1
+            self.stats["background_calls"] += r.background
             ids, r.todo = r.todo[:n], r.todo[n:]
             out = self.engine.model(mx.array(ids)[None], cache=r.cache.layers)
             r.cache.tokens.extend(ids)
@@ -304,7 +327,7 @@ class Scheduler:
             if r.sampler is None:
                 result = np.array(logits.astype(mx.float32))
                 self._complete(r, emit_result=False)
-                r.emit(result)
+                r.emit((result, r.cached))
             else:
                 self._accept(r, logits)
             return True
@@ -366,23 +389,35 @@ class Scheduler:
         r.next_token = token
 
     def _complete(self, r: Request, emit_result: bool = True) -> None:
-        """Hand the agent's cache back (pool, save, budget), then tell the caller."""
-        self._release(r)
+        """Hand the agent's cache back (pool, save, budget), then tell the caller.
+
+        A durable engine hands the result over only once the turn's save has ended (from
+        the I/O thread, so the step loop never waits on the disk), with ``saved`` saying
+        whether the record on disk now holds the turn.
+        """
+        saving = self._release(r)
         if emit_result:
             if len(r.text) > r.emitted:
                 r.emit(r.text[r.emitted :])
-            r.emit(
-                ChatResult(
-                    text=r.text,
-                    finish_reason=r.finish,  # type: ignore[arg-type]
-                    usage=Usage(len(r.prompt), r.cached, len(r.generated)),
-                    ttft_s=r.ttft or 0.0,
-                    total_s=time.perf_counter() - r.t0,
-                    cache=r.source,  # type: ignore[arg-type]
-                    agent_id=r.agent_id,
-                    token_ids=r.generated,
-                )
+            result = ChatResult(
+                text=r.text,
+                finish_reason=r.finish,  # type: ignore[arg-type]
+                usage=Usage(len(r.prompt), r.cached, len(r.generated)),
+                ttft_s=r.ttft or 0.0,
+                total_s=time.perf_counter() - r.t0,
+                cache=r.source,  # type: ignore[arg-type]
+                agent_id=r.agent_id,
+                token_ids=r.generated,
             )
+            if self.engine.durable and r.agent_id is not None:
+                if saving is None:  # the cache was dropped, not saved: the old record stands
+                    r.emit(replace(result, saved=False))
+                else:
+                    saving.add_done_callback(
+                        lambda f: r.emit(replace(result, saved=f.exception() is None and bool(f.result())))
+                    )
+            else:
+                r.emit(result)
 
     def _fail(self, r: Request, exc: BaseException) -> None:
         for group in (self._prefilling, self._decoding):
@@ -393,21 +428,23 @@ class Scheduler:
             self._busy.discard(r.agent_id)
         r.emit(exc)
 
-    def _release(self, r: Request) -> None:
+    def _release(self, r: Request) -> Future | None:
+        """Return the agent's cache to the pool and start its save; the save, if any."""
         aid = r.agent_id
         if aid is None:
-            return
+            return None
         self._busy.discard(aid)
         cache = r.cache
         if cache is None:
-            return
+            return None
         if any(c.offset != len(cache.tokens) for c in cache.layers):
             log.warning("agent %s: interrupted mid-forward; dropping its RAM cache", aid)
             self.engine.pool.pop(aid)
-            return
+            return None
         self.engine.pool.put(aid, cache)
-        self.save_behind(aid, cache)
+        saving = self.save_behind(aid, cache)
         self.enforce_budget()
+        return saving
 
     # -- saving and the budget (worker thread) ---------------------------------------------
     def save_behind(self, aid: str, cache: AgentCache) -> Future:
@@ -415,19 +452,53 @@ class Scheduler:
         tensors, meta = cache.to_record_parts()
         mx.eval(list(tensors.values()))
         record = CacheRecord(tokens=list(cache.tokens), tensors=tensors, meta=meta)
-        fut = self._io.submit(self._write, aid, record)
+        fut = self._io.submit(self._write, aid, record, cache.shared)
         self._saves[aid] = fut
         return fut
 
-    def _write(self, aid: str, record: CacheRecord) -> bool:
+    def _write(self, aid: str, record: CacheRecord, prefix: Any = None) -> bool:
         try:
-            self.engine.store.save(aid, record)
+            self.engine.write_record(aid, record, prefix)
         except StorageError as exc:
             log.error("could not save agent %s; keeping it in RAM and retrying later: %s", aid, exc)
             self.engine.unsaved.add(aid)
             return False
         self.engine.unsaved.discard(aid)
         return True
+
+    def _retry_unsaved(self) -> None:
+        """Save again, with backoff, the resident agents whose last save failed."""
+        eng = self.engine
+        if not eng.unsaved:
+            self._retry_delay = RETRY_FIRST_S
+            return
+        now = time.monotonic()
+        if now < self._retry_at:
+            return
+        for aid in sorted(eng.unsaved):
+            cache, save = eng.pool.get(aid), self._saves.get(aid)
+            if cache is not None and aid not in self._busy and (save is None or save.done()):
+                self.save_behind(aid, cache)
+        self._retry_at = now + self._retry_delay
+        self._retry_delay = min(2 * self._retry_delay, RETRY_MAX_S)
+
+    def cancel_background(self, aid: str) -> None:
+        """Stop ``aid``'s prefill-ahead work now, keeping what it computed (worker thread)."""
+        for r in [r for r in self._waiting if r.background and r.agent_id == aid]:
+            self._waiting.remove(r)
+            r.emit(None)
+        for r in [r for r in self._prefilling if r.background and r.agent_id == aid]:
+            r.cancelled = True
+            self._prefilling.remove(r)
+            if r.restoring is not None:  # never got its cache: nothing to hand back
+                self._busy.discard(aid)
+                r.emit(None)
+            else:
+                self._complete(r)
+
+    def forget(self, aid: str) -> None:
+        """Drop every trace of ``aid`` from the scheduler's bookkeeping (its save has ended)."""
+        self._saves.pop(aid, None)
 
     def wait_saved(self, aid: str) -> bool:
         fut = self._saves.get(aid)
