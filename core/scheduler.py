@@ -104,6 +104,9 @@ class IOThread:
                 except BaseException as exc:
                     fut.set_exception(exc)
                 mx.synchronize()
+            # Drop the finished job now, not when the next one comes: its arguments (a
+            # save's snapshot of an agent's blocks) must not outlive it, e.g. an erasure.
+            del job, fut, fn, args
         _release_mlx_thread()
 
 
@@ -288,7 +291,10 @@ class Scheduler:
         if not r.planned:
             r.cached = r.cache.reuse_prefix(r.prompt)
             r.todo = r.prompt[r.cached :]
-            r.plan = forward_plan(len(r.todo), self.engine.prefill_chunk)
+            chunk = self.engine.prefill_chunk
+            # prefill ahead needs no logits, so no separate last call either
+            r.plan = [min(chunk, len(r.todo) - i) for i in range(0, len(r.todo), chunk)] if r.background \
+                else forward_plan(len(r.todo), chunk)
             r.planned = True
         return True
 
@@ -320,6 +326,12 @@ class Scheduler:
             r.cache.tokens.extend(ids)
             if r.plan:
                 mx.eval(r.cache.arrays())
+                return True
+            if r.background:  # its logits are never read: only the cache is computed
+                mx.eval(r.cache.arrays())
+                self._prefilling.remove(r)
+                self._complete(r, emit_result=False)
+                r.emit(None)
                 return True
             logits = out[0, -1]
             mx.eval(logits, r.cache.arrays())
@@ -413,8 +425,9 @@ class Scheduler:
                 if saving is None:  # the cache was dropped, not saved: the old record stands
                     r.emit(replace(result, saved=False))
                 else:
+                    emit = r.emit  # not r: a done future keeps its callbacks, which must not keep the cache
                     saving.add_done_callback(
-                        lambda f: r.emit(replace(result, saved=f.exception() is None and bool(f.result())))
+                        lambda f: emit(replace(result, saved=f.exception() is None and bool(f.result())))
                     )
             else:
                 r.emit(result)
