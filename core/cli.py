@@ -1,4 +1,4 @@
-"""The ``kvshelf`` command line: ``demo`` (the main job), ``serve``, ``convert`` and ``agents``."""
+"""The ``kvshelf`` command line: ``demo`` (the main job), ``serve``, ``bench``, ``convert`` and ``agents``."""
 
 from __future__ import annotations
 
@@ -36,6 +36,19 @@ def main(argv: list[str] | None = None) -> int:
         "(default: $KVSHELF_API_KEY, which keeps the key out of the process list)",
     )
 
+    bench = sub.add_parser("bench", help="measure TTFT, capacity, quality, routing and the peer; write a report "
+                           "(needs kvshelf[bench])")
+    mode = bench.add_mutually_exclusive_group()
+    mode.add_argument("--quick", action="store_true", help="a smoke run: smaller sizes (< 15 min on 2 cores)")
+    mode.add_argument("--full", action="store_true", help="adds 32K prompts, more schemes and rounds (hours)")
+    bench.add_argument("--model", default="embedded", help="'embedded', an mlx-lm model dir, or a HF repo id")
+    bench.add_argument("--out", type=Path, default=None, help="report directory (default: benchmarks/results/<date>)")
+    bench.add_argument("--sections", default=None, help="comma-separated subset of: "
+                       "ttft,capacity,quality,routing,phases,peer")
+    bench.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
+                       help="override one setting (see kvshelf.bench.settings), e.g. ttft_sizes=1024,2048")
+    bench.add_argument("--work-dir", type=Path, default=None, help="scratch directory, kept (default: a temp dir)")
+
     sub.add_parser("convert", help="convert the embedded GGUF model now (it is otherwise done on first use)")
 
     agents = sub.add_parser("agents", help="list the agents with a cache")
@@ -57,6 +70,8 @@ def main(argv: list[str] | None = None) -> int:
         run_server(
             args.model, cache_dir=args.cache_dir, budget=args.budget, host=args.host, port=args.port, api_key=args.api_key
         )
+    elif args.command == "bench":
+        return _bench(args)
     elif args.command == "convert":
         from .embedded import embedded_model_dir
 
@@ -67,6 +82,28 @@ def main(argv: list[str] | None = None) -> int:
         engine = Engine(args.model, args.cache_dir, args.budget)
         for a in engine.agents():
             print(f"{a.agent_id:<40s} {a.tokens or 0:7d} tokens  ram {a.ram_bytes:>10d} B  disk {a.disk_bytes:>10d} B")
+    return 0
+
+
+def _bench(args: argparse.Namespace) -> int:
+    try:
+        from .bench.runner import run as run_bench
+        from .bench.settings import MODES, with_overrides
+    except ImportError as exc:
+        print(f"kvshelf bench needs the bench extra: pip install 'kvshelf[bench]' ({exc})", file=sys.stderr)
+        return 2
+    import time
+
+    settings = MODES["quick" if args.quick else "full" if args.full else "default"]
+    overrides = list(args.set) + ([f"sections={args.sections}"] if args.sections else [])
+    try:
+        settings = with_overrides(settings, overrides)
+    except ValueError as exc:
+        print(f"kvshelf bench: {exc}", file=sys.stderr)
+        return 2
+    out = args.out or Path("benchmarks") / "results" / time.strftime("%Y-%m-%d-%H%M")
+    report = run_bench(settings, args.model, out, args.work_dir)
+    print(f"wrote {report}")
     return 0
 
 

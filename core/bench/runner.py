@@ -1,0 +1,72 @@
+"""``kvshelf bench``: run the sections in one process, then write the report.
+
+A section that fails is recorded with its error and the rest still run, so one broken
+measurement never hides the others. Sections run in a fixed order: those that use the
+in-process engine first, then the scenario and the peer comparison, which start their
+own engines or servers (the in-process engine is closed before them).
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+from . import capacity, machine, peer, phase_section, quality, report, routing, ttft
+from .context import BenchContext
+from .settings import Settings
+
+MODULES = {"ttft": ttft, "capacity": capacity, "quality": quality, "routing": routing,
+           "phases": phase_section, "peer": peer}
+MODE_DOCS = {
+    "quick": "a smoke run (< 15 min on 2 cores): TTFT at 1K–4K, capacity at 1K–4K, perplexity over 1K tokens, "
+             "~512-token documents for routing and the peer comparison.",
+    "default": "TTFT at 1K–16K, capacity at 4K/8K/16K, perplexity over 4K tokens, ~1.5K-token documents "
+               "(about an hour on 2 cores).",
+    "full": "the default plus 32K prompts, more KV schemes, more routing questions and more peer rounds "
+            "(hours on 2 cores).",
+}
+
+
+def run(settings: Settings, model: str, out_dir: Path, work_dir: Path | None = None) -> Path:
+    started = time.perf_counter()
+    desc = machine.describe()
+    work = Path(work_dir) if work_dir else Path(tempfile.mkdtemp(prefix="kvshelf-bench-", dir=Path.home()))
+    ctx = BenchContext(settings, model, out_dir, work)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    results: dict[str, dict] = {}
+    charts: dict[str, list[Path]] = {}
+    try:
+        for name, module in MODULES.items():
+            if name not in settings.sections:
+                continue
+            print(f"[bench] {name} ...", flush=True)
+            t = time.perf_counter()
+            try:
+                result = module.run(ctx)
+            except Exception as exc:  # noqa: BLE001  (a failed section is reported, the rest go on)
+                traceback.print_exc()
+                result = {"title": getattr(module, "TITLE", name), "table": [],
+                          "error": f"{type(exc).__name__}: {exc}"[:2000]}
+            result["elapsed_s"] = time.perf_counter() - t
+            result["load_average"] = machine.load_average()
+            results[name] = result
+            try:
+                made = module.chart(result, out_dir / f"{name}.png") if result.get("table") else None
+            except Exception as exc:  # noqa: BLE001
+                traceback.print_exc()
+                result.setdefault("error", f"chart failed: {type(exc).__name__}: {exc}")
+                made = None
+            charts[name] = [p for p in (made if isinstance(made, list) else [made]) if p]
+            meta = {"mode": settings.mode, "mode_doc": MODE_DOCS.get(settings.mode, ""), "model": model,
+                    "date": time.strftime("%Y-%m-%d %H:%M %Z"), "elapsed_s": time.perf_counter() - started,
+                    "settings": {k: v for k, v in vars(settings).items()}}
+            report.write(out_dir, meta, desc, results, charts)  # after every section: a partial run still reports
+            print(f"[bench] {name} done in {result['elapsed_s']:.0f} s", flush=True)
+    finally:
+        ctx.close()
+        if work_dir is None:
+            shutil.rmtree(work, ignore_errors=True)
+    return out_dir / "REPORT.md"
