@@ -152,8 +152,10 @@ class ReplyShaper:
 
 
 def extension(result: ChatResult) -> dict[str, Any]:
-    """kvshelf's own fields, beside OpenAI's: which agent, and where its cache came from."""
-    return {"agent_id": result.agent_id, "cache": result.cache, "ttft_s": round(result.ttft_s, 4)}
+    """kvshelf's own fields, beside OpenAI's: which agent, where its cache came from, and
+    (from a durable engine, as ``kvshelf serve`` runs) whether the turn is on disk."""
+    extra = {"agent_id": result.agent_id, "cache": result.cache, "ttft_s": round(result.ttft_s, 4)}
+    return extra if result.saved is None else {**extra, "saved": result.saved}
 
 
 def usage(result: ChatResult) -> dict:

@@ -11,13 +11,16 @@ import mlx.core as mx
 
 class Sampler:
     def __init__(self, temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None):
-        if temperature < 0:
-            raise ValueError("temperature must be >= 0")
+        if not 0 <= temperature < float("inf"):  # also refuses NaN
+            raise ValueError("temperature must be a finite number >= 0")
         if not 0 < top_p <= 1:
             raise ValueError("top_p must be in (0, 1]")
         self.temperature = temperature
         self.top_p = top_p
-        self._seed = seed
+        # MLX keys take a seed in [0, 2**64); any int is folded into that range here, in
+        # the caller's thread, so a seed of -1 or 10**30 cannot fail on the scheduler
+        # thread later (where it would fail every request of that step).
+        self._seed = None if seed is None else int(seed) % 2**64
         self._key: mx.array | None = None  # made on first use, on the scheduler's thread
 
     def __call__(self, logits: mx.array) -> mx.array:

@@ -31,6 +31,7 @@ from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from . import exclusive
 from .agent_id import validate_agent_id
 from .completions import completion, engine_error, events, model_id, prepare
 from .engine import AgentBusy, AgentInfo, ChatResult, Engine
@@ -154,6 +155,7 @@ def create_app(
 
     @router.post("/v1/chat/completions", response_model=None)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        check_max_tokens(body, engine.loaded.context_length)
         turn = prepare(body, request.headers.get(AGENT_HEADER), default_max_tokens)
         stream = engine.astream(turn.agent_id, turn.messages, **turn.options)
 
@@ -192,29 +194,30 @@ def create_app(
     def list_agents() -> dict:
         return {"object": "list", "data": [_agent_body(a) for a in engine.agents()]}
 
-    def find(agent_id: str) -> AgentInfo:
-        try:
-            aid = validate_agent_id(agent_id)
-        except InvalidAgentId as exc:
-            raise bad_request(str(exc), "agent_id", "invalid_agent_id") from None
-        for a in engine.agents():
-            if a.agent_id == aid:
-                return a
-        raise ApiError(404, error_body(f"No agent {aid!r} has a cache here.", param="agent_id", code="agent_not_found"))
+    def not_found(aid: str) -> ApiError:
+        return ApiError(404, error_body(f"No agent {aid!r} has a cache here.", param="agent_id", code="agent_not_found"))
 
     @router.get("/v1/agents/{agent_id}")
     def get_agent(agent_id: str) -> dict:
-        return _agent_body(find(agent_id))
+        aid = path_agent_id(agent_id)
+        for a in engine.agents():
+            if a.agent_id == aid:
+                return _agent_body(a)
+        raise not_found(aid)
 
     @router.delete("/v1/agents/{agent_id}")
     def delete_agent(agent_id: str) -> dict:
-        info = find(agent_id)
+        """Erase whatever the agent left, listed or not: a record that was quarantined as
+        corrupt, or a temp file from a crashed save, is the agent's data too."""
+        aid = path_agent_id(agent_id)
         try:
-            removed = engine.forget(info.agent_id)
+            removed = engine.forget(aid)
         except AgentBusy as exc:
             raise engine_error(exc) from None
+        if not (removed["files_removed"] or removed["tokens_freed"] or removed["ram_bytes_freed"]):
+            raise not_found(aid)
         return {
-            "id": info.agent_id,
+            "id": aid,
             "object": "agent.deleted",
             "deleted": True,
             "tokens_freed": removed["tokens_freed"],
@@ -230,6 +233,28 @@ def create_app(
     _install_error_handlers(app)
     app.add_middleware(Guard, api_key=api_key, max_body_bytes=max_body_bytes)
     return app
+
+
+def path_agent_id(agent_id: str) -> str:
+    try:
+        return validate_agent_id(agent_id)
+    except InvalidAgentId as exc:
+        raise bad_request(str(exc), "agent_id", "invalid_agent_id") from None
+
+
+def check_max_tokens(body: ChatCompletionRequest, context_length: int) -> None:
+    """A 400 for a reply longer than the whole context, as OpenAI answers one over a model's limit.
+
+    Anything up to the context is accepted and cut to what the prompt leaves room for.
+    """
+    for param in ("max_completion_tokens", "max_tokens"):
+        asked = getattr(body, param)
+        if asked is not None and asked > context_length:
+            raise bad_request(
+                f"{param} is too large: {asked}. This model's context is {context_length} tokens, prompt included.",
+                param,
+                "invalid_value",
+            )
 
 
 def _install_error_handlers(app: FastAPI) -> None:
@@ -263,11 +288,21 @@ def serve(
     api_key: str | None = None,
     log_level: str = "info",
 ) -> None:
-    """Load the model and serve until SIGINT/SIGTERM; shutdown flushes pending saves."""
+    """Load the model and serve until SIGINT/SIGTERM; shutdown flushes pending saves.
+
+    The engine is durable: a response is sent once the agent's turn is on disk (its
+    ``kvshelf.saved`` says so), so a turn a client was answered survives a crash. A
+    second server on the same store directory exits with a message (see ``exclusive``).
+    """
     import uvicorn
 
     if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
         log.warning("serving on %s without an API key: anyone who can reach it can read and erase agents", host)
-    engine = Engine(model, cache_dir, budget)
+    engine = Engine(model, cache_dir, budget, durable=True)
+    try:
+        held = exclusive.claim(engine.store.directory)  # noqa: F841  (held for the life of the process)
+    except exclusive.DirectoryInUse as exc:
+        engine.close()
+        raise SystemExit(f"kvshelf serve: {exc}") from None
     app = create_app(engine, api_key=api_key)
     uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=10)

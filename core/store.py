@@ -606,22 +606,25 @@ class RecordStore:
         return decoded.to_record()
 
     def delete(self, agent_id: str) -> list[Path]:
-        """Remove the agent's record and lock file; returns the paths removed.
+        """Erase the agent: its record, lock file, temp files and quarantined records.
 
-        Temp files that a crashed save of this agent left behind go too. The
-        lock file is kept when the caller itself holds the agent's lock around
-        this call, so that its hold stays meaningful; quarantined files are kept
-        (they are there for a person to inspect). Other agents' files, including
-        ones whose id merely starts with this one, are never touched.
+        This is the erasure of a person's data, so nothing of the agent stays:
+        temp files that a crashed save left behind go however young they are (a
+        live writer holds the lock we hold, so every one left is dead), and so do
+        its quarantined records and their reason files (they hold its token ids).
+        The lock file is kept when the caller itself holds the agent's lock around
+        this call, so that its hold stays meaningful. Other agents' files,
+        including ones whose id merely starts with this one, are never touched.
+        Returns the paths removed.
         """
         agent_id = validate_agent_id(agent_id)
         path = self.path_for(agent_id)
         lock_path = self._lock_path(agent_id)
-        if not (path.exists() or lock_path.exists() or self._stale_temps(agent_id)):
+        if not (path.exists() or lock_path.exists() or self._stale_temps(agent_id, 0.0) or self._quarantined(agent_id)):
             return []  # nothing to remove, and no lock file left behind by looking
         removed: list[Path] = []
         with self._held(agent_id) as lock:
-            for victim in [path, *self._stale_temps(agent_id)]:
+            for victim in [path, *self._stale_temps(agent_id, 0.0), *self._quarantined(agent_id)]:
                 with suppress(FileNotFoundError):
                     victim.unlink()
                     removed.append(victim)
@@ -738,16 +741,23 @@ class RecordStore:
                 "kvshelf: could not fsync %s (%s); the last change may not survive a power loss", self.directory, exc
             )
 
-    def _stale_temps(self, agent_id: str) -> list[Path]:
-        """Temp files of this agent's writers that died mid-save."""
+    def _quarantined(self, agent_id: str) -> list[Path]:
+        """This agent's quarantined records and reason files (see ``_quarantine`` for the names)."""
+        pattern = re.compile(rf"{re.escape(agent_id)}\.\d{{8}}T\d{{6}}\.\d{{6}}Z\.[0-9a-f]{{8}}\.(safetensors|reason)")
+        with suppress(FileNotFoundError), os.scandir(self.quarantine_dir) as entries:
+            return [Path(e.path) for e in entries if pattern.fullmatch(e.name)]
+        return []
+
+    def _stale_temps(self, agent_id: str, min_age: float = STALE_TEMP_SECONDS) -> list[Path]:
+        """Temp files of this agent's writers that died mid-save (at least ``min_age`` s old)."""
         pattern = re.compile(rf"\.{re.escape(agent_id)}\.[0-9a-f]{{32}}{re.escape(TEMP_SUFFIX)}")
-        deadline = time.time() - STALE_TEMP_SECONDS
+        deadline = time.time() - min_age
         stale = []
         with suppress(FileNotFoundError), os.scandir(self.directory) as entries:
             for entry in entries:
                 if pattern.fullmatch(entry.name):
                     with suppress(OSError):
-                        if entry.stat(follow_symlinks=False).st_mtime < deadline:
+                        if min_age <= 0 or entry.stat(follow_symlinks=False).st_mtime < deadline:
                             stale.append(Path(entry.path))
         return stale
 

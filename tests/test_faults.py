@@ -1,0 +1,283 @@
+"""Nothing lost, nothing leaked: crashes, a full disk, two servers on one directory, erasure.
+
+All on tiny random-weight models (tests/tiny.py) and real processes, files and
+filesystems: the crash rounds SIGKILL a real child (tests/crashkit.py; the 50-round
+version is benchmarks/crash.py), the full disk is a real tmpfs, and the servers are
+real ``kvshelf serve`` processes.
+"""
+
+from __future__ import annotations
+
+import errno
+import gc
+import logging
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import weakref
+from collections.abc import Iterator
+from pathlib import Path
+
+import kvshelf  # noqa: F401  (OpenBLAS before mlx)
+import httpx
+import pytest
+from crashkit import KILL_MODES, Ledger, crash_once, warm_restore_check
+from tiny import make_tiny_model_dir
+
+pytest.importorskip("fastapi")
+from starlette.testclient import TestClient  # noqa: E402
+
+from kvshelf import store as store_module  # noqa: E402
+from kvshelf.agent_cache import common_prefix_length  # noqa: E402
+from kvshelf.engine import Engine  # noqa: E402
+from kvshelf.server import create_app  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory) -> Path:
+    return make_tiny_model_dir(tmp_path_factory.mktemp("faults-model") / "llama", "llama")
+
+
+def ask(client: TestClient, agent: str, content: str, **extra) -> dict:
+    body = {"model": "tiny", "messages": [{"role": "user", "content": content}], "max_tokens": 4, **extra}
+    r = client.post("/v1/chat/completions", json=body, headers={"X-Agent-Id": agent})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+# -- crashes -------------------------------------------------------------------------------
+def test_sigkill_during_saves_evictions_and_erasures(llama, tmp_path):
+    """One round per kill mode: at a random moment, inside a record write, inside an erasure."""
+    ledger = Ledger()
+    outcomes = [crash_once(llama, tmp_path / "cache", ledger, seed=i, mode=mode) for i, mode in enumerate(KILL_MODES)]
+    for o in outcomes:
+        assert o.failures == [], o
+    assert sum(o.ops_acked for o in outcomes) > 0  # acknowledged work was there to lose
+    restored = warm_restore_check(llama, tmp_path / "cache", ledger)
+    assert set(restored.values()) <= {"warm"}, restored
+
+
+def test_durable_engine_answers_once_the_turn_is_on_disk(llama, tmp_path):
+    engine = Engine(model=llama, cache_dir=tmp_path, durable=True, progress=False)
+    r = engine.chat("dee", [{"role": "user", "content": "hello"}], max_tokens=3)
+    # nothing was flushed: the answer itself waited for the save
+    assert r.saved is True and engine.store.token_count("dee") == len(engine.pool.get("dee").tokens)
+    assert Engine(model=llama, cache_dir=tmp_path, progress=False).chat("x", [{"role": "user", "content": "a"}],
+                                                                       max_tokens=1).saved is None
+    engine.close()
+
+
+# -- a full disk ---------------------------------------------------------------------------
+@pytest.fixture
+def small_disk(tmp_path) -> Iterator[Path | None]:
+    """A real 2 MB tmpfs, or None where mounting is not allowed (then the write fails by fiat)."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mount)], capture_output=True)
+    if done.returncode != 0:
+        yield None
+        return
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=True)
+
+
+def fill(directory: Path) -> Path:
+    """Fill the filesystem under ``directory`` to the last byte."""
+    filler = directory / "filler"
+    with open(filler, "wb", buffering=0) as f:
+        try:
+            while True:
+                f.write(b"\0" * 4096)
+        except OSError as exc:
+            assert exc.errno == errno.ENOSPC
+    return filler
+
+
+def test_full_disk_save_fails_clearly_serving_goes_on_and_the_save_is_retried(
+    small_disk, tmp_path, llama, caplog, monkeypatch
+):
+    root = small_disk or tmp_path / "cache"
+    engine = Engine(model=llama, cache_dir=root, durable=True, progress=False)
+    client = TestClient(create_app(engine, close_engine=False))
+    first = ask(client, "fay", "Remember the number 42.")
+    assert first["kvshelf"]["saved"] is True
+    path = engine.store.path_for("fay")
+    good = path.read_bytes()
+    good_tokens = engine.store.load("fay").tokens
+
+    if small_disk is not None:
+        filler = fill(small_disk)
+    else:  # no mount here: the same failure, simulated where the store writes
+        print("no tmpfs could be mounted: simulating ENOSPC in the store's writes")
+
+        def no_space(fd, data):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+        monkeypatch.setattr(store_module, "_write_all", no_space)
+    caplog.set_level(logging.INFO)
+    second = ask(client, "fay", "Remember the number 42. And 43?")
+    assert second["kvshelf"]["saved"] is False  # answered all the same, from RAM
+    assert path.read_bytes() == good  # the old record is intact
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert any("fay" in m and "No space left on device" in m and "previous record is unchanged" in m for m in errors)
+    assert any("fay" in m and "retrying later" in m for m in errors)
+    third = ask(client, "fay", "Remember the number 42. And 43? And 44?")
+    assert third["kvshelf"]["cache"] == "hot" and third["kvshelf"]["saved"] is False
+    assert third["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    assert "fay" in engine.unsaved
+    assert not [p for p in path.parent.iterdir() if p.name.endswith(".tmp")]  # failed writes cleaned up
+
+    if small_disk is not None:
+        filler.unlink()
+    else:
+        monkeypatch.undo()
+    in_ram = list(engine.pool.get("fay").tokens)
+    deadline = time.monotonic() + 60  # retries back off from 1 s; nobody calls flush()
+    while engine.store.token_count("fay") != len(in_ram):
+        assert time.monotonic() < deadline, "the failed save was never retried"
+        time.sleep(0.1)
+    assert engine.unsaved == set() and engine.flush() == []
+    engine.close()
+    restarted = Engine(model=llama, cache_dir=root, progress=False)
+    assert restarted.store.load("fay").tokens == in_ram  # the third turn, written by a retry
+    fourth = [{"role": "user", "content": "Remember the number 42. And 43? And 44? 45?"}]
+    again = restarted.chat("fay", fourth, max_tokens=2)
+    reusable = common_prefix_length(in_ram, restarted._encode(fourth))
+    assert again.cache == "warm" and again.usage.cached_tokens == reusable
+    assert reusable > common_prefix_length(good_tokens, restarted._encode(fourth))  # more than turn 1 held
+    restarted.close()
+
+
+# -- two servers on one directory ------------------------------------------------------------
+def start_server(model: Path, cache_dir: Path) -> tuple[subprocess.Popen, str]:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvshelf.cli", "serve", "--model", str(model), "--cache-dir", str(cache_dir),
+         "--port", str(port)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    return proc, f"http://127.0.0.1:{port}"
+
+
+def wait_up(proc: subprocess.Popen, url: str) -> None:
+    deadline = time.monotonic() + 60
+    while True:
+        assert proc.poll() is None, proc.stdout.read()
+        assert time.monotonic() < deadline, "kvshelf serve did not come up"
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return
+        except httpx.TransportError:
+            time.sleep(0.1)
+
+
+def test_a_second_server_on_the_same_directory_refuses_to_start(llama, tmp_path):
+    first, url = start_server(llama, tmp_path)
+    try:
+        wait_up(first, url)
+        body = {"model": "x", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        r = httpx.post(url + "/v1/chat/completions", json=body, headers={"X-Agent-Id": "sam"}, timeout=60)
+        assert r.json()["kvshelf"]["saved"] is True, r.text
+        second, _ = start_server(llama, tmp_path)
+        out, _ = second.communicate(timeout=60)
+        assert second.returncode == 1
+        assert f"another kvshelf server (pid {first.pid}) is already serving" in out and "--cache-dir" in out
+        # the first one was not disturbed
+        assert httpx.get(url + "/v1/agents/sam", timeout=10).json()["tokens"] > 0
+    finally:
+        first.send_signal(signal.SIGKILL)  # however it dies, the kernel drops its lock
+        first.wait()
+    third, url = start_server(llama, tmp_path)
+    try:
+        wait_up(third, url)
+        assert httpx.get(url + "/v1/agents/sam", timeout=10).json()["tokens"] > 0
+    finally:
+        third.send_signal(signal.SIGTERM)
+        third.communicate(timeout=30)
+
+
+# -- erasure -------------------------------------------------------------------------------------
+def test_delete_erases_every_file_block_and_byte_of_the_agent(llama, tmp_path):
+    engine = Engine(model=llama, cache_dir=tmp_path, durable=True, progress=False)
+    client = TestClient(create_app(engine, close_engine=False))
+    for agent in ("zed", "zed2", "zed.b"):  # neighbours whose names start the same
+        ask(client, agent, f"I am {agent}.")
+    ask(client, "zed", "I am zed. More.")
+    store = engine.store
+    # leftovers only a crash or a corrupt record leave: a young temp and a quarantined record
+    temp = store.directory / f".zed.{'c' * 32}.tmp"
+    temp.write_bytes(b"half a record of zed")
+    good = store.path_for("zed").read_bytes()
+    assert engine.evict("zed")
+    store.path_for("zed").write_bytes(good[:-100])  # torn: quarantined on the next load
+    assert ask(client, "zed", "I am zed. More.")["kvshelf"]["cache"] == "cold"
+    assert len(list(store.quarantine_dir.glob("zed.*"))) == 2  # the record and its reason
+    cache = engine.pool.get("zed")
+    blocks = weakref.ref(cache)
+    arrays = [weakref.ref(a) for a in cache.arrays()]
+    assert arrays
+    del cache
+
+    r = client.delete("/v1/agents/zed")
+    assert r.status_code == 200, r.text
+    removed = set(r.json()["files_removed"])
+    assert {"zed.safetensors", "zed.lock", temp.name} <= removed
+    gc.collect()
+    zeds = re.compile(r"\.?zed\.(safetensors|lock|[0-9a-f]{32}\.tmp|\d{8}T[0-9.]+Z\.[0-9a-f]{8}\.\w+)")
+    left = [p for p in tmp_path.rglob("*") if zeds.fullmatch(p.name)]
+    assert left == [], left
+    assert blocks() is None and all(a() is None for a in arrays)  # no block of it is held anywhere
+    assert "zed" not in engine.pool and "zed" not in engine.pool.last_used and "zed" not in engine.unsaved
+    assert "zed" not in engine._scheduler._saves and not engine._scheduler.busy("zed")
+    assert client.get("/v1/agents/zed").status_code == 404
+    assert client.delete("/v1/agents/zed").status_code == 404
+    assert "zed" not in {a["id"] for a in client.get("/v1/agents").json()["data"]}
+    for agent in ("zed2", "zed.b"):
+        assert store.path_for(agent).exists() and agent in engine.pool
+    assert ask(client, "zed", "I am zed. More.")["kvshelf"]["cache"] == "cold"  # nothing came back
+
+    # an agent known only by a quarantined record is still erasable
+    assert engine.evict("zed")
+    store.path_for("zed").write_bytes(b"garbage")
+    assert engine.load_record("zed") is None  # quarantined, so no longer listed
+    assert client.get("/v1/agents/zed").status_code == 404
+    r = client.delete("/v1/agents/zed")
+    assert r.status_code == 200 and any(n.endswith(".reason") for n in r.json()["files_removed"])
+    assert not list(store.quarantine_dir.glob("zed.*"))
+    engine.close()
+
+
+def test_erasing_forked_agents_releases_their_shared_prefix(llama, tmp_path):
+    engine = Engine(model=llama, cache_dir=tmp_path, durable=True, progress=False)
+    client = TestClient(create_app(engine, close_engine=False))
+    engine.prefill("fz-seed", [{"role": "system", "content": "The shared brief. " * 40}])  # > one 256-token block
+    engine.fork("fz-seed", "fz-1")
+    engine.fork("fz-seed", "fz-2")
+    assert engine.flush() == []
+    [pid] = engine.shared.on_disk()
+    assert engine.shared.users(pid) == ["fz-1", "fz-2", "fz-seed"]
+    [prefix] = engine.shared.resident()
+    held = weakref.ref(prefix)
+    del prefix
+
+    r = client.delete("/v1/agents/fz-1")
+    assert r.status_code == 200 and "fz-1" in r.json()["files_removed"]  # its marker on the prefix
+    assert engine.shared.users(pid) == ["fz-2", "fz-seed"] and engine.shared.on_disk() == [pid]  # still in use
+    assert not [p for p in tmp_path.rglob("*") if p.name.startswith(("fz-1.", ".fz-1.")) or p.name == "fz-1"]
+    for agent in ("fz-seed", "fz-2"):
+        assert client.delete(f"/v1/agents/{agent}").status_code == 200
+    gc.collect()
+    assert engine.shared.on_disk() == [] and engine.shared.users(pid) == []
+    assert not [p for p in tmp_path.rglob("*") if p.is_file() and not p.name.startswith(".server")], \
+        list(tmp_path.rglob("*"))  # not a record, lock, marker or prefix file is left
+    assert held() is None and engine.shared.resident() == []  # nor its blocks in RAM
+    engine.close()
