@@ -21,7 +21,7 @@ class Settings:
     # TTFT: cold prefill runs per size (each a fresh agent); warm and hot samples per agent
     ttft_sizes: tuple[int, ...] = (1024, 2048, 4096, 8192, 16384)
     ttft_cold_runs: int = 2
-    ttft_cold_runs_large: int = 1  # for sizes above 16384
+    ttft_cold_runs_large: int = 1  # for sizes above 4096 (a cold 16K prompt is minutes of CPU)
     ttft_repeats: int = 3
     # Capacity: agents resident under one byte budget, Q4 vs fp16
     capacity_sizes: tuple[int, ...] = (4096, 8192, 16384)
@@ -70,6 +70,8 @@ QUICK = Settings(
 FULL = Settings(
     mode="full",
     ttft_sizes=(1024, 2048, 4096, 8192, 16384, 32000),
+    ttft_cold_runs=3,
+    ttft_cold_runs_large=2,
     ppl_schemes=("q4-g64-per-token-v1", "q4-g64-kivi-rotv", "q4-g64-rot", "q4-g64-kivi", "q8-g64"),
     routing_questions=40,
     peer_rounds_before=2,

@@ -1,6 +1,7 @@
 """Time to first token: cold (prefill), warm (restored from disk) and hot (in RAM).
 
-For each prompt size, ``ttft_cold_runs`` fresh agents (distinct prompts) are each:
+For each prompt size, ``ttft_cold_runs`` fresh agents (``ttft_cold_runs_large`` above 4K
+tokens; distinct prompts) are each:
 1. cold: asked with nothing cached, so the whole prompt is prefilled;
 2. warm, ``ttft_repeats`` times: evicted from RAM once the record is on disk, the
    record dropped from the OS page cache (so the read really hits the disk), then
@@ -33,7 +34,7 @@ def run(ctx: BenchContext) -> dict:
             rows.append({"tokens": n, "skipped": f"over the model's context ({engine.loaded.context_length})"})
             continue
         cold, warm, hot, record_bytes, tokens_held = [], [], [], [], []
-        runs = s.ttft_cold_runs if n <= 16384 else s.ttft_cold_runs_large
+        runs = s.ttft_cold_runs if n <= 4096 else s.ttft_cold_runs_large
         for r in range(runs):
             aid = f"ttft-{n}-{r}"  # the work directory is new for every bench run: no stale agent
             msgs = [{"role": "user", "content": prompt_of_tokens(engine.tokenizer, n, salt=f"Run {r}. ")}]
