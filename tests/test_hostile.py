@@ -100,7 +100,7 @@ def test_chat_completions_never_fail_on_any_body(served, body, agent):
     if isinstance(body, dict) and isinstance(body.get("max_tokens"), int) and body["max_tokens"] > 0:
         body.setdefault("max_completion_tokens", 4)  # keeps valid requests quick; max_tokens still checked
     content = json.dumps(body, allow_nan=True)
-    for path in ("/v1/chat/completions", "/v1/tokenize"):
+    for path in ("/v1/chat/completions", "/v1/tokenize", "/v1/agents/fuzz-append/append"):
         check(client.post(path, content=content, headers={"Content-Type": "application/json", **headers}))
 
 
@@ -121,11 +121,19 @@ def test_agent_ids_anywhere(served, agent):
     r = client.post("/v1/chat/completions", content=json.dumps(body), headers={"Content-Type": "application/json"})
     check(r)
     assert (r.status_code == 200) == is_valid_agent_id(agent), r.text
+    path = "/v1/agents/" + quote(agent.encode("utf-8", "surrogatepass"), safe="")
     for method in (client.get, client.delete):
-        r = method("/v1/agents/" + quote(agent.encode("utf-8", "surrogatepass"), safe=""))
+        r = method(path)
         check(r)
         if not is_valid_agent_id(agent):  # "", "." and the like are normalised to the listing itself
             assert r.status_code in (400, 404, 405) or r.json()["object"] == "list", r.text
+    for target, body in ((path + "/fork", {"new_agent": "fuzz-fork"}), ("/v1/agents/valid-id/fork", {"new_agent": agent}),
+                         (path + "/append", {"messages": [{"role": "user", "content": "hi"}]})):
+        r = client.post(target, content=json.dumps(body), headers={"Content-Type": "application/json"})
+        check(r)
+        if not is_valid_agent_id(agent):
+            assert r.status_code in (400, 404, 405), r.text
+    client.delete("/v1/agents/fuzz-fork")
 
 
 @settings(max_examples=20, deadline=None, database=None)
