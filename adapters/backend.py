@@ -144,6 +144,27 @@ class LocalBackend:
         finally:
             await stream.aclose()
 
+    def append(self, agent_id: str, body: Mapping[str, Any], background: bool = False) -> dict:
+        """Prefill the agent's conversation so far without generating (``Engine.append``);
+        ``background`` queues it as prefill ahead and returns at once."""
+        _, turn = self._turn(agent_id, body)
+        try:
+            future = self.engine.prefill_ahead(turn.agent_id, turn.messages, background=background)
+            if background:
+                return {"agent_id": turn.agent_id, "queued": True}
+            usage = future.result()
+        except Exception as exc:
+            raise self._error(exc) from exc
+        return {"agent_id": turn.agent_id, "queued": False, "prompt_tokens": usage.prompt_tokens,
+                "cached_tokens": usage.cached_tokens}
+
+    def fork(self, source: str, new_agent: str) -> dict:
+        """Start ``new_agent`` from ``source``'s cache, sharing its whole blocks."""
+        try:
+            return self.engine.fork(source, new_agent)
+        except Exception as exc:
+            raise self._error(exc) from exc
+
     def count_tokens(self, body: Mapping[str, Any]) -> int:
         """Prompt tokens of a request as the model will see it (tools and JSON mode rendered)."""
         _, turn = self._turn(None, body)
@@ -214,6 +235,16 @@ class RemoteBackend:
                 async for line in response.aiter_lines():
                     if (chunk := _sse_data(line)) is not None:
                         yield chunk
+
+    def append(self, agent_id: str, body: Mapping[str, Any], background: bool = False) -> dict:
+        response = self._client.post(f"/v1/agents/{agent_id}/append", json={**body, "background": background})
+        _raise_for(response.status_code, response.content)
+        return response.json()
+
+    def fork(self, source: str, new_agent: str) -> dict:
+        response = self._client.post(f"/v1/agents/{source}/fork", json={"new_agent": new_agent})
+        _raise_for(response.status_code, response.content)
+        return response.json()
 
     def count_tokens(self, body: Mapping[str, Any]) -> int:
         response = self._client.post("/v1/tokenize", json=dict(body))

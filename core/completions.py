@@ -18,7 +18,7 @@ from typing import Any
 
 from . import json_mode, tools
 from .agent_id import validate_agent_id
-from .engine import AgentBusy, ChatResult, ContextLengthExceeded, Engine
+from .engine import AgentBusy, AgentExists, ChatResult, ContextLengthExceeded, Engine, UnknownAgent
 from .errors import InvalidAgentId, KVShelfError
 from .openai_api import (
     ApiError,
@@ -50,6 +50,10 @@ def engine_error(exc: BaseException) -> ApiError:
         return bad_request(str(exc), None, "invalid_agent_id")
     if isinstance(exc, ValueError):
         return bad_request(str(exc))
+    if isinstance(exc, UnknownAgent):
+        return ApiError(404, error_body(f"{exc}.", param="agent_id", code="agent_not_found"))
+    if isinstance(exc, AgentExists):
+        return ApiError(409, error_body(f"{exc}.", code="agent_exists"))
     if isinstance(exc, AgentBusy):
         return ApiError(409, error_body(f"{exc}; try again when it has finished.", code="agent_busy"))
     if isinstance(exc, KVShelfError):

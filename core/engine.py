@@ -245,8 +245,7 @@ class Engine:
                 cache.adopt(live)
             twin = cache.fork()
             self.pool.put(dst, twin)
-            sched.save_behind(src, cache)
-            sched.save_behind(dst, twin)
+            saves.extend((sched.save_behind(src, cache), sched.save_behind(dst, twin)))
             sched.enforce_budget()
             return {
                 "agent_id": dst,
@@ -256,7 +255,12 @@ class Engine:
                 "shared_prefix": prefix.id if prefix is not None else None,
             }
 
-        return self._scheduler.call(do_fork)
+        saves: list[Future] = []
+        info = self._scheduler.call(do_fork)
+        if self.durable:  # answered only once both records (and the prefix) are on disk
+            for save in saves:
+                save.result()
+        return info
 
     def _request(
         self,

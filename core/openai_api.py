@@ -139,6 +139,21 @@ class ChatCompletionRequest(BaseModel):
         return value
 
 
+class ForkRequest(BaseModel):
+    """``POST /v1/agents/{id}/fork``: the agent to create from this one."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    new_agent: str
+
+
+class AppendRequest(ChatCompletionRequest):
+    """``POST /v1/agents/{id}/append``: the agent's conversation so far, prefilled
+    without generating; ``background`` queues it as prefill ahead."""
+
+    background: bool = False
+
+
 # -- errors ------------------------------------------------------------------------------
 class ApiError(Exception):
     """An error answered with ``status`` and an OpenAI error body."""

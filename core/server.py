@@ -36,7 +36,7 @@ from .agent_id import validate_agent_id
 from .completions import completion, engine_error, events, model_id, prepare
 from .engine import AgentBusy, AgentInfo, ChatResult, Engine
 from .errors import InvalidAgentId
-from .openai_api import ApiError, ChatCompletionRequest, bad_request, error_body, validation_error_body
+from .openai_api import ApiError, AppendRequest, ChatCompletionRequest, ForkRequest, bad_request, error_body, validation_error_body
 
 log = logging.getLogger("kvshelf.server")
 
@@ -224,6 +224,37 @@ def create_app(
             "ram_bytes_freed": removed["ram_bytes_freed"],
             "files_removed": [Path(p).name for p in removed["files_removed"]],
         }
+
+    @router.post("/v1/agents/{agent_id}/fork")
+    def fork_agent(agent_id: str, body: ForkRequest) -> dict:
+        """Start another agent from this one's cache; their whole blocks are shared."""
+        src, dst = path_agent_id(agent_id), path_agent_id(body.new_agent)
+        try:
+            info = engine.fork(src, dst)
+        except Exception as exc:  # unknown 404, exists or busy 409, same agent 400
+            raise engine_error(exc) from None
+        return {"object": "agent.fork", **info}
+
+    @router.post("/v1/agents/{agent_id}/append")
+    async def append_agent(agent_id: str, body: AppendRequest) -> JSONResponse:
+        """Prefill the agent's whole conversation so far without generating (a new phase).
+
+        With ``background: true`` it is queued at the lowest priority (prefill ahead) and
+        answered at once with 202."""
+        aid = path_agent_id(agent_id)
+        turn = prepare(body, None, default_max_tokens)
+        try:
+            future = engine.prefill_ahead(aid, turn.messages, background=body.background)
+        except Exception as exc:
+            raise engine_error(exc) from None
+        if body.background:
+            return JSONResponse({"object": "agent.append", "agent_id": aid, "queued": True}, 202)
+        try:
+            usage = await asyncio.wrap_future(future)
+        except Exception as exc:
+            raise engine_error(exc) from None
+        return JSONResponse({"object": "agent.append", "agent_id": aid, "queued": False,
+                             "prompt_tokens": usage.prompt_tokens, "cached_tokens": usage.cached_tokens})
 
     @app.get("/health")
     def health() -> dict:

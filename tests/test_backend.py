@@ -85,3 +85,24 @@ def test_connect_shares_one_engine_per_model_and_cache_dir(tiny_dirs, tmp_path):
     b = connect(tiny_dirs["llama"], cache_dir=tmp_path)
     assert isinstance(a, LocalBackend) and a.engine is b.engine is shared_engine(tiny_dirs["llama"], tmp_path)
     assert connect(tiny_dirs["llama"], cache_dir=tmp_path / "other").engine is not a.engine
+
+
+def test_fork_and_append_work_alike_in_both_modes(backends):
+    local, remote, engine = backends
+    long_system = {"role": "system", "content": "Shared brief for every analyst. " * 12}
+    history = {"messages": [long_system, {"role": "user", "content": "Phase one."}]}
+    for backend, tag in ((local, "l"), (remote, "r")):
+        done = backend.append(f"{tag}-seed", history)
+        assert done["queued"] is False and done["prompt_tokens"] > 256 and done["cached_tokens"] == 0
+        info = backend.fork(f"{tag}-seed", f"{tag}-child")
+        assert info["shared_tokens"] >= 256 and info["agent_id"] == f"{tag}-child"
+        with pytest.raises(BackendError) as exists:
+            backend.fork(f"{tag}-seed", f"{tag}-child")
+        assert exists.value.status == 409
+        with pytest.raises(BackendError) as unknown:
+            backend.fork(f"{tag}-nobody", f"{tag}-x")
+        assert unknown.value.status == 404
+        later = {"messages": history["messages"] + [{"role": "user", "content": "Phase two."}]}
+        assert backend.append(f"{tag}-child", later, background=True)["queued"] is True
+        reply = backend.complete(f"{tag}-child", {**later, "max_tokens": 3, "temperature": 0})
+        assert reply["usage"]["prompt_tokens_details"]["cached_tokens"] >= info["shared_tokens"]
