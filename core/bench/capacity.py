@@ -138,3 +138,12 @@ def chart(result: dict, path: Path) -> Path | None:
     return bars(path, f"Agents resident in {rows[0]['budget_mb']:.0f} MB", "agents", cats,
                 {"fp16 KV (mlx-lm caches)": [r["fp16_agents"] for r in rows],
                  "kvshelf Q4": [r["q4_agents"] for r in rows]})
+
+
+def headline(result: dict) -> str | None:
+    rows = result["table"]
+    if not rows:
+        return None
+    return "Capacity in {:.0f} MB: ".format(rows[0]["budget_mb"]) + "; ".join(
+        f"{r['context_tokens']} tokens: {r['q4_agents']} agents with Q4 vs {r['fp16_agents']} with fp16 "
+        f"({r['q4_over_fp16']:.1f}x)" for r in rows) + "."

@@ -50,7 +50,11 @@ def model_dir(model: str) -> Path:
 
 
 def peer_model_dir(source: Path, work: Path) -> tuple[Path, str]:
-    """The model as the peer gets it: an fp32 copy on the CPU when the weights are not fp32."""
+    """The model as the peer gets it: an fp32 copy on the CPU when the weights are not fp32.
+
+    mlx_lm.server computes in the weights' dtype; on the CPU fp16 matmuls are many times
+    slower than fp32 ones, and kvshelf computes in fp32 there. The copy gives the peer
+    the same compute dtype (its KV cache is then fp32 too, twice fp16's bytes)."""
     files = sorted(source.glob("*.safetensors"))
     dtypes = {str(v.dtype) for f in files for v in mx.load(str(f)).values() if mx.issubdtype(v.dtype, mx.floating)}
     if mx.default_device() != mx.cpu or dtypes <= {"mlx.core.float32"}:
@@ -207,7 +211,8 @@ def run(ctx: BenchContext) -> dict:
             f"one server at a time. kvshelf: --budget {budget / 1e6:.1f} MB ({s.peer_budget_fraction:.0%} of the "
             f"agents' estimated Q4 bytes; its records total {record_bytes / 1e6:.1f} MB on disk at the end), records "
             f"dropped from the page cache at the restart. mlx_lm.server: --prompt-cache-size {peer_slots} (the number "
-            f"of agents kvshelf's budget holds), {peer_weights}, BLAS "
+            f"of agents kvshelf's budget holds), {peer_weights} (kvshelf computes in fp32 on the CPU; the peer's KV is "
+            f"then fp32 too), BLAS "
             f"{'preloaded: ' + _blas.loaded_path if _blas.loaded_path else 'as bundled'}. Wall time = all requests + "
             "the restart (stop + start until /health answers); the first start is shown apart. kvshelf / "
             f"mlx_lm.server wall-time ratio: {ratio:.2f} (goal ≤ 0.5). Per-request TTFTs are in the second table.")}
@@ -255,3 +260,17 @@ def chart(result: dict, path: Path) -> list[Path]:
     second = lines(path.with_name(path.stem + "-requests.png"), "Per-request TTFT (restart before the last rounds)",
                    "request (round-robin order)", "TTFT (s, log)", xs, series, logy=True)
     return [first, second]
+
+
+def headline(result: dict) -> str | None:
+    r = result.get("ratio_wall")
+    if r is None:
+        return None
+    rows = {x["server"]: x for x in result["table"]}
+    ours, peer = rows["kvshelf serve"], rows["mlx_lm.server"]
+    met = "met" if r <= result.get("goal_ratio", 0.5) else "NOT met"
+    extra = ""
+    if "vllm-mlx" in rows:
+        extra = f"; vllm-mlx {rows['vllm-mlx']['wall_s_incl_restart']:.0f} s"
+    return (f"Against the peer: kvshelf serve {ours['wall_s_incl_restart']:.0f} s vs mlx_lm.server "
+            f"{peer['wall_s_incl_restart']:.0f} s including the restart{extra}: ratio {r:.2f} (goal ≤ 0.5: {met}).")

@@ -45,3 +45,10 @@ def chart(result: dict, path: Path) -> Path | None:
     cats = [str(r.get(label_key, i)) if label_key else str(i) for i, r in enumerate(rows)]
     return bars(path, "Phases: mean TTFT per turn", "seconds (log)", cats,
                 {k.replace(" ttft s", ""): [float(r.get(k) or 0) for r in rows] for k in columns}, logy=True)
+
+
+def headline(result: dict) -> str | None:
+    speedup = result.get("speedup_vs_cold")
+    if not speedup:
+        return None
+    return "Phases: wall time against cold, " + ", ".join(f"{m} {v:.2f}x" for m, v in speedup.items()) + "."

@@ -114,3 +114,14 @@ def chart(result: dict, path: Path) -> Path | None:
     return bars(path, "Perplexity increase over the full-precision cache", "Δ perplexity (%)",
                 [r["kv_scheme"].split(",")[0] for r in rows],
                 {t: [r[f"delta_{t}_pct"] for r in rows] for t in texts})
+
+
+def headline(result: dict) -> str | None:
+    from kvshelf.kvschemes import DEFAULT_SCHEME
+
+    rows = [r for r in result["table"] if r["kv_scheme"] == DEFAULT_SCHEME]
+    if not rows:
+        return None
+    r = rows[0]
+    deltas = " / ".join(f"{v:+.1f}% ({k[len('delta_'):-len('_pct')]})" for k, v in r.items() if k.startswith("delta_"))
+    return f"Quality: the default scheme {DEFAULT_SCHEME} costs {deltas} perplexity at {r['x_fp16_bytes']:.3f}x the bytes of fp16 KV."

@@ -57,7 +57,12 @@ def write(out_dir: Path, meta: dict, machine: dict, sections: dict[str, dict], c
         {"meta": meta, "machine": machine, "sections": sections}, indent=2, default=str))
     md = [f"# kvshelf bench ({meta['mode']}) — {meta['date']}", "",
           f"Model: {meta['model']}. Run took {meta['elapsed_s'] / 60:.1f} min. Mode `{meta['mode']}`: {meta['mode_doc']}",
-          "", "## Machine", "", machine_table(machine), ""]
+          ""]
+    lines = [f"- {r['headline']}" for r in sections.values() if r.get("headline")]
+    lines += [f"- {r.get('title', n)}: **failed** (see below)" for n, r in sections.items() if "error" in r]
+    if lines:
+        md += ["## Summary", "", *lines, ""]
+    md += ["## Machine", "", machine_table(machine), ""]
     for name, result in sections.items():
         md += [f"## {result.get('title', name)}", ""]
         if result.get("description"):

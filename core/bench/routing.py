@@ -160,3 +160,14 @@ def chart(result: dict, path: Path) -> Path | None:
         return None
     return bars(path, "Routing: TTFT by where the expert's cache was", "median TTFT (s, log)",
                 [r["requests"] for r in rows], {"TTFT": [r["ttft_s"] for r in rows]}, logy=True)
+
+
+def headline(result: dict) -> str | None:
+    rows = {r["requests"]: r for r in result["table"] if r.get("count")}
+    if "all routed" not in rows:
+        return None
+    routed, control = rows["all routed"], rows.get("control: wrong expert", {})
+    ttft = ", ".join(f"{k.split(' ')[0]} {rows[k]['ttft_s']:.2f} s" for k in ("cold (priming)", "warm (from disk)",
+                                                                           "hot (in RAM)") if k in rows)
+    return (f"Routing: {routed['from_right_doc_pct']:.0f}% of routed answers come from the right document "
+            f"(control, wrong expert: {control.get('from_right_doc_pct', 0):.0f}%); median TTFT {ttft}.")

@@ -51,6 +51,11 @@ def run(settings: Settings, model: str, out_dir: Path, work_dir: Path | None = N
                 result = {"title": getattr(module, "TITLE", name), "table": [],
                           "error": f"{type(exc).__name__}: {exc}"[:2000]}
             result["elapsed_s"] = time.perf_counter() - t
+            try:
+                result["headline"] = module.headline(result) if "error" not in result else None
+            except Exception as exc:  # noqa: BLE001
+                result["headline"] = None
+                print(f"[bench] {name}: no headline ({type(exc).__name__}: {exc})", flush=True)
             result["load_average"] = machine.load_average()
             results[name] = result
             try:

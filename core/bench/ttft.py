@@ -91,3 +91,12 @@ def chart(result: dict, path: Path) -> Path | None:
         raw = [r["raw"][key] for r in rows]
         series[label] = ([x["median"] for x in raw], [x["min"] for x in raw], [x["max"] for x in raw])
     return lines(path, "Time to first token", "prompt tokens", "seconds (log)", xs, series, logx=True, logy=True)
+
+
+def headline(result: dict) -> str | None:
+    rows = [r for r in result["table"] if "cold_s" in r]
+    if not rows:
+        return None
+    r = rows[-1]
+    return (f"TTFT at {r['tokens']} tokens: cold {r['cold_s']:.1f} s, warm (from disk) {r['warm_s']:.2f} s, "
+            f"hot {r['hot_s']:.2f} s (cold / warm = {r['cold_over_warm']:.0f}x).")
