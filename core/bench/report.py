@@ -60,9 +60,13 @@ def write(out_dir: Path, meta: dict, machine: dict, sections: dict[str, dict], c
           ""]
     lines = [f"- {r['headline']}" for r in sections.values() if r.get("headline")]
     lines += [f"- {r.get('title', n)}: **failed** (see below)" for n, r in sections.items() if "error" in r]
+    lines += [f"- {n}: **not reached** in this run" for n in meta.get("not_reached", [])]
     if lines:
         md += ["## Summary", "", *lines, ""]
     md += ["## Machine", "", machine_table(machine), ""]
+    settings = {k: v for k, v in meta.get("settings", {}).items() if k not in ("mode", "notes", "peer_vllm_mlx")}
+    md += ["Settings: " + "; ".join(f"`{k}={','.join(map(str, v)) if isinstance(v, (list, tuple)) else v}`"
+                                    for k, v in settings.items()), ""]
     for name, result in sections.items():
         md += [f"## {result.get('title', name)}", ""]
         if result.get("description"):

@@ -1,9 +1,11 @@
 """``kvshelf bench``: run the sections in one process, then write the report.
 
 A section that fails is recorded with its error and the rest still run, so one broken
-measurement never hides the others. Sections run in a fixed order: those that use the
-in-process engine first, then the scenario and the peer comparison, which start their
-own engines or servers (the in-process engine is closed before them).
+measurement never hides the others. Sections run in the order of ``settings.sections``,
+and the report is rewritten after each one, so a run cut short still reports what it
+measured and names what it did not reach. The scenario and the peer comparison start
+their own engines or servers; the in-process engine is closed before them (and
+reloaded if a later section needs it).
 """
 
 from __future__ import annotations
@@ -39,9 +41,8 @@ def run(settings: Settings, model: str, out_dir: Path, work_dir: Path | None = N
     results: dict[str, dict] = {}
     charts: dict[str, list[Path]] = {}
     try:
-        for name, module in MODULES.items():
-            if name not in settings.sections:
-                continue
+        for name in settings.sections:  # in the order given: a run cut short keeps what came first
+            module = MODULES[name]
             print(f"[bench] {name} ...", flush=True)
             t = time.perf_counter()
             try:
@@ -67,7 +68,8 @@ def run(settings: Settings, model: str, out_dir: Path, work_dir: Path | None = N
             charts[name] = [p for p in (made if isinstance(made, list) else [made]) if p]
             meta = {"mode": settings.mode, "mode_doc": MODE_DOCS.get(settings.mode, ""), "model": model,
                     "date": time.strftime("%Y-%m-%d %H:%M %Z"), "elapsed_s": time.perf_counter() - started,
-                    "settings": {k: v for k, v in vars(settings).items()}}
+                    "settings": {k: v for k, v in vars(settings).items()},
+                    "not_reached": [n for n in settings.sections if n not in results]}
             report.write(out_dir, meta, desc, results, charts)  # after every section: a partial run still reports
             print(f"[bench] {name} done in {result['elapsed_s']:.0f} s", flush=True)
     finally:
