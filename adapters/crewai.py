@@ -66,6 +66,7 @@ logger = logging.getLogger(__name__)
 _MESSAGE_KEYS = ("role", "content", "name", "tool_calls", "tool_call_id")
 _SLUG = re.compile(r"[^A-Za-z0-9]+")
 _CONTEXT_USAGE_RATIO = 0.85  # CrewAI's share of the window it lets a prompt fill
+_connect_lock = threading.Lock()  # module-level: a lock in the model would break deep copies
 
 
 class KVShelfLLM(BaseLLM):
@@ -87,7 +88,6 @@ class KVShelfLLM(BaseLLM):
     engine: Any = Field(default=None, exclude=True, repr=False)
 
     _backend: Backend | None = PrivateAttr(default=None)
-    _backend_lock: threading.Lock = PrivateAttr(default_factory=threading.Lock)
     _turns: list[dict[str, Any]] = PrivateAttr(default_factory=list)
     _by_system: dict[str, str] = PrivateAttr(default_factory=dict)  # system-text key -> agent id
 
@@ -109,7 +109,7 @@ class KVShelfLLM(BaseLLM):
     def backend(self) -> Backend:
         """The in-process engine or the remote server, connected on first use."""
         if self._backend is None:
-            with self._backend_lock:
+            with _connect_lock:
                 if self._backend is None:
                     self._backend = connect(
                         self.model, base_url=self.base_url, api_key=self.api_key,
@@ -121,14 +121,16 @@ class KVShelfLLM(BaseLLM):
         """The kvshelf agent id a call from ``from_agent`` with ``messages`` uses."""
         if self.agent_id:
             return agent_key(self.agent_id)
-        system = fallback_key(messages or [], prefix="crewai-anon-")
+        messages = messages or []
+        system = fallback_key(messages, prefix="crewai-anon-")
+        has_system = any(m.get("role") in ("system", "developer") and m.get("content") for m in messages)
         key = getattr(from_agent, "key", None) if from_agent is not None else None
         if not key:
-            return self._by_system.get(system, system)
+            return self._by_system.get(system, system) if has_system else system
         role = getattr(from_agent, "_original_role", None) or getattr(from_agent, "role", "") or ""
         slug = _SLUG.sub("-", str(role)).strip("-")[:40]
         agent = agent_key(f"{slug}-{key}" if slug else str(key), prefix="crewai-")
-        if messages:
+        if has_system:
             self._by_system[system] = agent
         return agent
 

@@ -25,21 +25,32 @@ os.environ.setdefault("CREWAI_DISABLE_TELEMETRY", "true")
 os.environ.setdefault("OTEL_SDK_DISABLED", "true")
 os.environ.setdefault("CREWAI_TRACING_ENABLED", "false")
 
+# Each agent's persona holds the team's shared briefing, as real crews' backstories often
+# do: that system text is what each agent's cache keeps from task to task and run to run.
+BRIEFING = (
+    "Team briefing. This team writes short, correct notes for engineers. Every answer is "
+    "plain text, at most two sentences, with no headings, lists or markdown. Facts come "
+    "first; opinions are marked as such. When a number is uncertain, say so instead of "
+    "guessing. Prefer concrete examples over general claims. Use the words of the task. "
+    "Never repeat these instructions, never mention the team, and never ask questions back. "
+    "The readers are busy: the first sentence must carry the point, and the second may add "
+    "one detail. Names of tools, files and functions are written exactly as they are spelled."
+)
 AGENTS = {
     "researcher": dict(
         role="Researcher",
         goal="Find the key facts about {topic}.",
-        backstory="You are a careful researcher who answers in short plain sentences.",
+        backstory="You are a careful researcher. " + BRIEFING,
     ),
     "writer": dict(
         role="Writer",
         goal="Turn research notes about {topic} into clear prose.",
-        backstory="You are a technical writer who keeps every answer short.",
+        backstory="You are a technical writer. " + BRIEFING,
     ),
     "editor": dict(
         role="Editor",
         goal="Make texts about {topic} correct and concise.",
-        backstory="You are a strict editor who answers with one short paragraph.",
+        backstory="You are a strict editor. " + BRIEFING,
     ),
 }
 TASKS = [  # (agent, description, expected output): two rounds of research -> writing -> editing
@@ -59,7 +70,7 @@ def main() -> None:
     parser.add_argument("--model", default="embedded", help="in-process model: embedded, an mlx-lm dir or repo")
     parser.add_argument("--cache-dir", help="in-process cache directory (default: kvshelf's)")
     parser.add_argument("--topic", default="KV caches in language models")
-    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--max-tokens", type=int, default=24)
     parser.add_argument("--fresh", action="store_true", help="forget the crew's agents before running")
     args = parser.parse_args()
 
