@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import errno
 import gc
+import ipaddress
 import logging
 import os
 import re
@@ -181,10 +182,25 @@ def wait_up(proc: subprocess.Popen, url: str) -> None:
             time.sleep(0.1)
 
 
+def listening_on(pid: int, port: int) -> list[str]:
+    """The addresses a process listens on at ``port``, from /proc (IPv4 and IPv6)."""
+    found = []
+    for table in ("tcp", "tcp6"):
+        for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
+            local, state = line.split()[1], line.split()[3]
+            address, hex_port = local.split(":")
+            if state == "0A" and int(hex_port, 16) == port:  # 0A: LISTEN
+                raw = bytes.fromhex(address)
+                words = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))  # little-endian words
+                found.append(str(ipaddress.ip_address(words)))
+    return found
+
+
 def test_a_second_server_on_the_same_directory_refuses_to_start(llama, tmp_path):
     first, url = start_server(llama, tmp_path)
     try:
         wait_up(first, url)
+        assert listening_on(first.pid, int(url.rsplit(":", 1)[1])) == ["127.0.0.1"]  # loopback unless told
         body = {"model": "x", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
         r = httpx.post(url + "/v1/chat/completions", json=body, headers={"X-Agent-Id": "sam"}, timeout=60)
         assert r.json()["kvshelf"]["saved"] is True, r.text
