@@ -461,7 +461,7 @@ class KVShelfChatCompletionClient(ChatCompletionClient, Component[KVShelfClientC
         result = self._result(agent_id, body, choice["message"], choice.get("finish_reason"), response.get("usage"),
                               response.get("kvshelf"))
         event_logger.info(LLMCallEvent(messages=body["messages"], response=response, prompt_tokens=result.usage.prompt_tokens,
-                                       completion_tokens=result.usage.completion_tokens, agent_id=agent_id))
+                                       completion_tokens=result.usage.completion_tokens, kvshelf_agent_id=agent_id))
         return result
 
     async def create_stream(
@@ -479,7 +479,7 @@ class KVShelfChatCompletionClient(ChatCompletionClient, Component[KVShelfClientC
         agent_id, body = self._prepare(messages, tools, tool_choice, json_output, extra_create_args)
         body["stream_options"] = {"include_usage": True}
         backend = await self._backend()
-        event_logger.info(LLMStreamStartEvent(messages=body["messages"], agent_id=agent_id))
+        event_logger.info(LLMStreamStartEvent(messages=body["messages"], kvshelf_agent_id=agent_id))
         stream = backend.astream(agent_id, body)
         chunks: list[dict] = []
         try:
@@ -501,7 +501,7 @@ class KVShelfChatCompletionClient(ChatCompletionClient, Component[KVShelfClientC
         del body["stream_options"]
         result = self._result(agent_id, body, merged["message"], merged["finish_reason"], merged["usage"], merged["kvshelf"])
         event_logger.info(LLMStreamEndEvent(response=result.model_dump(), prompt_tokens=result.usage.prompt_tokens,
-                                            completion_tokens=result.usage.completion_tokens, agent_id=agent_id))
+                                            completion_tokens=result.usage.completion_tokens, kvshelf_agent_id=agent_id))
         yield result
 
     # -- accounting ------------------------------------------------------------------------

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from collections.abc import Iterator
 
 import pytest
 from autogen_agentchat.agents import AssistantAgent
 from autogen_agentchat.teams import RoundRobinGroupChat
-from autogen_core import CancellationToken, FunctionCall, Image
+from autogen_core import EVENT_LOGGER_NAME, CancellationToken, FunctionCall, Image
 from autogen_core.models import (
     AssistantMessage,
     ChatCompletionClient,
@@ -188,10 +189,13 @@ def test_group_chat_history_renders_the_same_bytes_turn_after_turn():
 # -- streaming and cancellation -----------------------------------------------------------------
 @MODES
 @pytest.mark.asyncio
-async def test_stream_yields_text_then_exactly_one_result(tiny, mode):
+async def test_stream_yields_text_then_exactly_one_result(tiny, mode, caplog):
     client = make_client(tiny, mode, max_tokens=8)
-    whole = await client.for_agent("streamer").create(ask("Count."))
-    items = [item async for item in client.for_agent("streamer2").create_stream(ask("Count."))]
+    with caplog.at_level(logging.INFO, logger=EVENT_LOGGER_NAME):
+        whole = await client.for_agent("streamer").create(ask("Count."))
+        items = [item async for item in client.for_agent("streamer2").create_stream(ask("Count."))]
+    events = [json.loads(r.getMessage()) for r in caplog.records if r.name == EVENT_LOGGER_NAME]
+    assert [e["type"] for e in events] == ["LLMCall", "LLMStreamStart", "LLMStreamEnd"]
     *chunks, result = items
     assert isinstance(result, CreateResult) and all(isinstance(c, str) for c in chunks)
     assert "".join(chunks) == result.content == whole.content  # greedy by default: same reply
