@@ -1,13 +1,14 @@
 """Routing: expert agents, each primed with its own document, answer a stream of questions.
 
 Each of ``routing_experts`` agents holds one reference-manual topic (``routing_doc_tokens``
-tokens at most) as its system prompt. A question asks to continue, word for word, a
-passage whose first 8 words are quoted (a cue that appears in one document only). A
+tokens at most) as its system prompt. A question asks to quote, word for word, a passage
+whose first 8 words it gives (a cue found in one document only), and the reply is opened
+with those 8 words, so what the model adds is its continuation of the passage. A
 lexical router picks the expert (idf-weighted word overlap between the question and
 each document), then:
 
 - priming: the first question to each expert is cold (its document is prefilled);
-- the stream: more questions, with locality (half repeat one of the last two experts),
+- the stream: ``routing_questions`` more, with locality (half repeat one of the last two experts),
   to a second engine whose RAM budget holds ``routing_resident_experts`` experts, so
   some are hot (in RAM) and others warm (restored from disk; every record is dropped
   from the OS page cache before each question);
@@ -32,7 +33,7 @@ from .context import BenchContext
 
 TITLE = "Routing: expert agents answering a stream of questions"
 CUE_WORDS, CHECK_WORDS = 8, 6
-SYSTEM = "You are the expert on the document below. Answer from it, quoting it exactly.\n\nDocument:\n"
+SYSTEM = "Document:\n"
 
 
 def words(text: str) -> list[str]:
@@ -63,7 +64,7 @@ def make_questions(docs: dict[str, str], count: int, rng: random.Random) -> list
                 break
         questions.append({"expert": e, "cue": cue,
                           "expected": words(" ".join(ws[i + CUE_WORDS : i + CUE_WORDS + CHECK_WORDS])),
-                          "text": f'Continue this passage from your document with the words that follow it there: "{cue}"'})
+                          "text": f'Quote, word for word, the passage of the document that begins "{cue}".'})
     return questions
 
 
@@ -107,12 +108,15 @@ def run(ctx: BenchContext) -> dict:
     rng = random.Random(s.seed)
     docs_by_name = documents(first.tokenizer, s.routing_experts, s.routing_doc_tokens)
     names, docs = list(docs_by_name), list(docs_by_name.values())
-    questions = make_questions(docs_by_name, max(s.routing_questions, len(docs)), rng)
+    questions = make_questions(docs_by_name, len(docs) + s.routing_questions, rng)
     router = Router(docs)
     ids = [f"expert-{i}" for i in range(len(docs))]
 
     def ask(engine, e: int, q: dict) -> dict:
-        msgs = [{"role": "system", "content": SYSTEM + docs[e]}, {"role": "user", "content": q["text"]}]
+        # the reply is opened with the cue (an open assistant turn), so the model's own words
+        # are the passage's continuation, if it finds it in the document it holds
+        msgs = [{"role": "system", "content": SYSTEM + docs[e]}, {"role": "user", "content": q["text"]},
+                {"role": "assistant", "content": q["cue"], "prefix": True}]
         r = engine.chat(ids[e], msgs, max_tokens=s.routing_max_tokens)
         return {"expert": e, "right": q["expert"], "cache": r.cache, "ttft_s": r.ttft_s, "answer": r.text,
                 "prompt_tokens": r.usage.prompt_tokens,
@@ -145,10 +149,11 @@ def run(ctx: BenchContext) -> dict:
             "description": (
                 f"{len(docs)} experts, each primed with one Python reference-manual topic "
                 f"({', '.join(names)}; at most {s.routing_doc_tokens} tokens each). {len(questions)} questions, the "
-                f"first {len(docs)} priming each expert (cold); the rest go to an engine whose budget holds "
+                f"first {len(docs)} priming each expert (cold); the other {s.routing_questions} go to an engine whose budget holds "
                 f"{s.routing_resident_experts} experts ({budget / 1e6:.1f} MB), with every record dropped from the "
-                "page cache before each question. Each question quotes 8 words found in one document only and asks "
-                f"for the words that follow; {s.routing_max_tokens} tokens are generated. The lexical router sent "
+                "page cache before each question. Each question gives 8 words found in one document only and asks "
+                "for the passage word for word; the reply is opened with those 8 words (an open assistant turn) and "
+                f"{s.routing_max_tokens} tokens are generated. The lexical router sent "
                 f"{router_acc:.0%} of questions to the right expert. 'From the right doc': the answer's new word "
                 "trigrams match the right document more than any other; 'continues exactly': its first 3 words are "
                 "the passage's next 3. Control: the same stream questions put to a wrong expert.")}

@@ -34,7 +34,7 @@ class Settings:
     # Routing: expert agents primed with one document each, then a stream of questions
     routing_experts: int = 10
     routing_doc_tokens: int = 1536
-    routing_questions: int = 30
+    routing_questions: int = 20  # after the priming question to each expert
     routing_max_tokens: int = 16
     routing_resident_experts: float = 3.5  # the RAM budget, in experts
     # Phases (kvshelf.bench.phases): generated tokens per turn, 0 = the scenario's own default
