@@ -1,0 +1,224 @@
+"""``ChatKVShelf`` under real LangChain and LangGraph, offline, with ``$HOME`` in a temp dir.
+
+The agent tests run the embedded Gemma 3 270M, in-process and against a ``kvshelf serve``
+in a thread (the same engine behind both, so the agent names differ per mode); the
+identity tests run a tiny random-weight model, since only the agent id of each reply
+matters there.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from langchain.agents import create_agent
+from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, ToolMessage
+from langchain_core.runnables import RunnableLambda
+from langchain_core.tools import tool
+from servers import ServerThread
+
+from kvshelf.adapters.backend import shared_engine
+from kvshelf.adapters.identity import agent_key, fallback_key
+from kvshelf.adapters.langchain import ChatKVShelf
+from kvshelf.engine import Engine
+from kvshelf.paths import kvshelf_home
+from kvshelf.server import create_app
+
+SYSTEM = "You are a member of a small research team. Answer in one short sentence."
+QUESTION = "What is a cache?"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def offline_home(tmp_path_factory) -> Iterator[None]:
+    """``$HOME`` in a temporary directory (the converted model stays where it is)."""
+    patch = pytest.MonkeyPatch()
+    patch.setenv("KVSHELF_HOME", str(kvshelf_home()))
+    patch.setenv("HOME", str(tmp_path_factory.mktemp("home")))
+    patch.setenv("LANGSMITH_TRACING", "false")
+    patch.setenv("LANGCHAIN_TRACING_V2", "false")
+    patch.delenv("KVSHELF_API_KEY", raising=False)
+    patch.delenv("KVSHELF_BASE_URL", raising=False)
+    yield
+    patch.undo()
+
+
+@pytest.fixture(scope="module")
+def embedded(embedded_loaded, tmp_path_factory) -> Iterator[tuple[Engine, str]]:
+    """An engine on the embedded model, and a ``kvshelf serve`` on that same engine."""
+    engine = Engine(model=embedded_loaded, cache_dir=tmp_path_factory.mktemp("lc-agents"), progress=False)
+    server = ServerThread(create_app(engine, close_engine=False))
+    yield engine, server.url + "/v1"
+    server.stop()
+    engine.close()
+
+
+@pytest.fixture(params=["local", "remote"])
+def mode(request, embedded) -> tuple[str, dict[str, Any]]:
+    engine, url = embedded
+    return request.param, ({"engine": engine} if request.param == "local" else {"base_url": url})
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_dirs, tmp_path_factory) -> Iterator[Engine]:
+    engine = Engine(tiny_dirs["gemma3_text"], tmp_path_factory.mktemp("lc-tiny"), progress=False)
+    yield engine
+    engine.close()
+
+
+def ext(message: Any) -> dict:
+    return message.response_metadata["kvshelf"]
+
+
+def cached(message: Any) -> int:
+    return message.usage_metadata["input_token_details"]["cache_read"]
+
+
+# -- agents: own caches, prefix reuse, streaming, tools, both modes -------------------------
+def test_create_agent_agents_get_their_own_caches_and_reuse_them(mode):
+    name, where = mode
+    llm = ChatKVShelf(**where, max_tokens=6)
+    alice = create_agent(llm, system_prompt=SYSTEM, name=f"alice-{name}")
+    bob = create_agent(llm, system_prompt=SYSTEM, name=f"bob-{name}")
+
+    first = alice.invoke({"messages": [HumanMessage(QUESTION)]})["messages"]
+    reply = first[-1]
+    assert ext(reply)["agent_id"] == f"alice-{name}" and ext(reply)["cache"] == "cold" and cached(reply) == 0
+    assert reply.response_metadata["model_name"] and reply.usage_metadata["output_tokens"] >= 1
+
+    # bob asks the very same thing: had he shared alice's cache, he would read from it
+    other = bob.invoke({"messages": [HumanMessage(QUESTION)]})["messages"][-1]
+    assert ext(other)["agent_id"] == f"bob-{name}" and ext(other)["cache"] == "cold" and cached(other) == 0
+
+    second = alice.invoke({"messages": [*first, HumanMessage("Why does it help?")]})["messages"][-1]
+    assert ext(second)["agent_id"] == f"alice-{name}" and ext(second)["cache"] == "hot"
+    assert cached(second) >= reply.usage_metadata["input_tokens"] - 2  # all of turn 1 but a re-rendered tail
+    assert second.usage_metadata["input_tokens"] > cached(second)
+
+
+def test_streaming_through_a_langgraph_agent(mode):
+    name, where = mode
+    agent = create_agent(ChatKVShelf(**where, max_tokens=6), system_prompt=SYSTEM, name=f"streamer-{name}")
+    chunks = [msg for msg, _meta in agent.stream({"messages": [HumanMessage(QUESTION)]}, stream_mode="messages")]
+    assert len(chunks) >= 2
+    full = chunks[0]
+    for chunk in chunks[1:]:
+        full = full + chunk
+    assert full.text and ext(full)["agent_id"] == f"streamer-{name}"  # identity from the graph's metadata
+    assert full.usage_metadata["output_tokens"] >= 1 and full.response_metadata["finish_reason"] in ("stop", "length")
+    # the model's own stream (and astream) carry the same fields
+    llm = ChatKVShelf(**where, max_tokens=4, agent_id=f"streamer-{name}")
+    parts = list(llm.stream([SystemMessage(SYSTEM), HumanMessage(QUESTION)]))
+    assert parts[-1].chunk_position == "last" and ext(parts[-1])["cache"] == "hot" and cached(parts[-1]) > 0
+
+
+@tool
+def get_weather(city: str = "Paris") -> str:
+    """Get the current weather in a city."""
+    return f"It is sunny and 21 C in {city}."
+
+
+def test_tool_call_round_trip(mode):
+    name, where = mode
+    llm = ChatKVShelf(**where, max_tokens=40, agent_id=f"forecaster-{name}")
+    question = [SystemMessage("You are a weather assistant."), HumanMessage("What is the weather in Paris?")]
+    # A 270M model rarely calls a tool on its own, so the call is forced by name. Its
+    # arguments are not to be trusted (it tends to copy the schema), hence the default city.
+    call = llm.bind_tools([get_weather], tool_choice="get_weather").invoke(question)
+    assert call.response_metadata["finish_reason"] == "tool_calls"
+    assert [c["name"] for c in call.tool_calls] == ["get_weather"] and call.tool_calls[0]["id"]
+    result = get_weather.invoke(call.tool_calls[0])
+    assert isinstance(result, ToolMessage) and result.tool_call_id == call.tool_calls[0]["id"]
+
+    # the history with the call and its result goes back; the tools stay offered
+    answer = llm.bind_tools([get_weather], max_tokens=6).invoke([*question, call, result])
+    assert isinstance(answer, AIMessage) and ext(answer)["cache"] == "hot"
+    assert cached(answer) > call.usage_metadata["input_tokens"] // 2
+
+
+@pytest.mark.asyncio
+async def test_async_invoke_and_stream(mode):
+    name, where = mode
+    llm = ChatKVShelf(**where, max_tokens=4, agent_id=f"async-{name}")
+    messages = [SystemMessage(SYSTEM), HumanMessage(QUESTION)]
+    whole = await llm.ainvoke(messages)
+    assert whole.text and ext(whole)["agent_id"] == f"async-{name}"
+    parts = [chunk async for chunk in llm.astream(messages, config={"metadata": {"agent_id": f"async2-{name}"}})]
+    assert parts[-1].chunk_position == "last" and ext(parts[-1])["agent_id"] == f"async-{name}"  # bound id wins
+
+
+
+# -- identity: each step of the resolution order --------------------------------------------
+MESSAGES = [SystemMessage("You are terse."), HumanMessage("Hi")]
+
+
+def who(message: Any) -> str:
+    return ext(message)["agent_id"]
+
+
+def test_identity_bound_and_instance_ids_come_first(tiny):
+    llm = ChatKVShelf(engine=tiny, max_tokens=1, agent_id="inst")
+    meta = {"metadata": {"agent_id": "meta", "lc_agent_name": "named"}}
+    assert who(llm.invoke(MESSAGES, config=meta)) == "inst"
+    assert who(llm.bind(agent_id="bound").invoke(MESSAGES, config=meta)) == "bound"  # bound beats instance
+    assert who(llm.invoke(MESSAGES, agent_id="kw")) == "kw"
+
+
+def test_identity_from_run_metadata_in_invoke_and_stream(tiny):
+    llm = ChatKVShelf(engine=tiny, max_tokens=1)
+    both = {"metadata": {"lc_agent_name": "named", "agent_id": "meta"}}
+    assert who(llm.invoke(MESSAGES, config=both)) == "meta"  # agent_id before lc_agent_name
+    assert who(llm.invoke(MESSAGES, config={"metadata": {"lc_agent_name": "named"}})) == "named"
+    assert who(list(llm.stream(MESSAGES, config=both))[-1]) == "meta"  # stream() gives _stream no run manager
+    # the call's own metadata beats what surrounds it
+    outer = RunnableLambda(lambda m: llm.invoke(m, config={"metadata": {"agent_id": "inner"}}))
+    assert who(outer.invoke(MESSAGES, config={"metadata": {"agent_id": "outer"}})) == "inner"
+
+
+def test_identity_from_the_ambient_config(tiny):
+    llm = ChatKVShelf(engine=tiny, max_tokens=1)
+
+    def direct(messages: list) -> AIMessage:  # as a wrapper that calls the model's _generate would
+        return llm._generate(messages).generations[0].message
+
+    around = RunnableLambda(direct)
+    assert who(around.invoke(MESSAGES, config={"metadata": {"lc_agent_name": "amb-name"}})) == "amb-name"
+    both = {"metadata": {"lc_agent_name": "amb-name", "agent_id": "amb-id"}}
+    assert who(around.invoke(MESSAGES, config=both)) == "amb-id"
+
+
+def test_identity_from_create_agent_names(tiny):
+    llm = ChatKVShelf(engine=tiny, max_tokens=1)
+    carol = create_agent(llm, system_prompt="You are terse.", name="carol")
+    assert who(carol.invoke({"messages": [HumanMessage("Hi")]})["messages"][-1]) == "carol"
+    picked = carol.invoke({"messages": [HumanMessage("Hi")]}, config={"metadata": {"agent_id": "carol-2"}})
+    assert who(picked["messages"][-1]) == "carol-2"  # agent_id before lc_agent_name
+    analyst = create_agent(llm, name="Research Analyst")  # not a valid id: slug plus a hash
+    reply = analyst.invoke({"messages": [HumanMessage("Hi")]})["messages"][-1]
+    assert who(reply) == agent_key("Research Analyst") and who(reply).startswith("Research-Analyst-")
+
+
+def test_identity_falls_back_to_the_system_text_and_tools(tiny):
+    llm = ChatKVShelf(engine=tiny, max_tokens=1)
+    first = who(llm.invoke(MESSAGES))
+    assert first == fallback_key([{"role": "system", "content": "You are terse."}]) and first.startswith("anon-")
+    assert who(llm.invoke([SystemMessage("You are terse."), HumanMessage("Other question")])) == first  # stable
+    assert who(llm.invoke([SystemMessage("You are verbose."), HumanMessage("Hi")])) != first
+    assert who(llm.bind_tools([get_weather]).invoke(MESSAGES)) not in (first, None)
+
+
+# -- the default in-process engine and a restart ----------------------------------------------
+def test_default_mode_shares_one_engine_and_restores_from_disk(tiny_dirs, tmp_path):
+    model = str(tiny_dirs["llama"])
+    llm = ChatKVShelf(model=model, cache_dir=str(tmp_path), max_tokens=3, agent_id="dora")
+    assert ChatKVShelf(model=model, cache_dir=str(tmp_path)).backend.engine is llm.backend.engine
+    assert llm.backend.engine is shared_engine(model, tmp_path)
+    first = llm.invoke(MESSAGES)
+    assert ext(first)["cache"] == "cold"
+    llm.backend.engine.close()  # saves flushed; the next backend is a new engine on the same directory
+
+    again = ChatKVShelf(model=model, cache_dir=str(tmp_path), max_tokens=3, agent_id="dora")
+    assert again.backend.engine is not llm.backend.engine
+    second = again.invoke([*MESSAGES, first, HumanMessage("And?")])
+    assert ext(second)["cache"] == "warm" and cached(second) > 0
+    again.backend.engine.close()

@@ -1,0 +1,208 @@
+"""LangChain's own standard test suites (``langchain-tests``) against ``ChatKVShelf``.
+
+The integration suite runs the real embedded Gemma 3 270M, offline, with ``$HOME`` in a
+temporary directory. Capabilities are declared as they are: tool calling with
+``tool_choice``, JSON mode, structured output, usage metadata with cache reads; no images,
+audio, PDFs or per-call model switching (kvshelf serves the one model it loaded).
+
+Only tests that need more skill than a 270M model has are marked xfail, each with its
+reason. Replies are kept short (``max_tokens``) so the suite runs in a few minutes on two
+CPU cores: a 270M model rarely ends a reply on its own, so every reply runs to the limit.
+
+The async tests run under pytest-asyncio through this module's ``pytestmark``, so this
+file needs no ``asyncio_mode = "auto"`` and nothing changes for the rest of the suite.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from langchain_core.messages import AIMessage, HumanMessage
+from langchain_tests.integration_tests import ChatModelIntegrationTests
+from langchain_tests.unit_tests import ChatModelUnitTests
+
+from kvshelf.adapters.langchain import ChatKVShelf
+from kvshelf.engine import Engine
+from kvshelf.paths import kvshelf_home
+
+# Every test gets pytest-asyncio's marker, so the inherited ``async def`` tests run without
+# ``asyncio_mode = "auto"`` (which would change the whole suite); sync tests ignore it.
+pytestmark = [
+    pytest.mark.embedded,
+    pytest.mark.asyncio,
+    pytest.mark.filterwarnings("ignore:The test <Function .*is marked with '@pytest.mark.asyncio' but it is not an async"),
+]
+
+_ENGINE: list[Engine] = []  # the integration suite's engine, for chat_model_params (a property, so no fixtures)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def offline_home(tmp_path_factory) -> Iterator[None]:
+    """``$HOME`` in a temporary directory (the converted model stays where it is), no tracing,
+    no server or key from the environment."""
+    patch = pytest.MonkeyPatch()
+    patch.setenv("KVSHELF_HOME", str(kvshelf_home()))
+    patch.setenv("HOME", str(tmp_path_factory.mktemp("home")))
+    patch.setenv("LANGSMITH_TRACING", "false")
+    patch.setenv("LANGCHAIN_TRACING_V2", "false")
+    patch.delenv("KVSHELF_API_KEY", raising=False)
+    patch.delenv("KVSHELF_BASE_URL", raising=False)
+    yield
+    patch.undo()
+
+
+class TestChatKVShelfUnit(ChatModelUnitTests):
+    @property
+    def chat_model_class(self) -> type[ChatKVShelf]:
+        return ChatKVShelf
+
+    @property
+    def chat_model_params(self) -> dict[str, Any]:
+        return {"model": "embedded"}
+
+    @property
+    def init_from_env_params(self) -> tuple[dict[str, str], dict[str, Any], dict[str, Any]]:
+        return ({"KVSHELF_API_KEY": "sk-test", "KVSHELF_BASE_URL": "http://127.0.0.1:1/v1"}, {},
+                {"api_key": "sk-test", "base_url": "http://127.0.0.1:1/v1"})
+
+    @property
+    def supports_json_mode(self) -> bool:
+        return True
+
+    @property
+    def supports_model_override(self) -> bool:
+        return False
+
+
+# Replies long enough for a whole JSON object (the joke schema) or tool call; 8 tokens otherwise.
+_MAX_TOKENS = {
+    "test_structured_output": 48, "test_structured_output_async": 48, "test_json_mode": 48,
+    "test_structured_output_pydantic_2_v1": 48, "test_structured_output_optional_param": 48,
+    "test_tool_calling": 16, "test_tool_calling_async": 16, "test_tool_choice": 16,
+    "test_tool_calling_with_no_arguments": 12, "test_bind_runnables_as_tools": 20,
+    "test_agent_loop": 20, "test_unicode_tool_call_integration": 24,
+}
+
+
+class TestChatKVShelfIntegration(ChatModelIntegrationTests):
+    @property
+    def chat_model_class(self) -> type[ChatKVShelf]:
+        return ChatKVShelf
+
+    @pytest.fixture(scope="class", autouse=True)
+    def engine(self, embedded_loaded, tmp_path_factory) -> Iterator[Engine]:
+        """One engine on the embedded model for the suite, its caches in a temporary directory."""
+        eng = Engine(model=embedded_loaded, cache_dir=tmp_path_factory.mktemp("lc-standard"), progress=False)
+        _ENGINE.append(eng)
+        yield eng
+        _ENGINE.clear()
+        eng.close()
+
+    @property
+    def chat_model_params(self) -> dict[str, Any]:
+        return {"engine": _ENGINE[0], "max_tokens": 8}
+
+    @pytest.fixture
+    def model(self, request: Any) -> ChatKVShelf:
+        extra = getattr(request, "param", None) or {}
+        max_tokens = _MAX_TOKENS.get(request.node.originalname, 8)
+        return ChatKVShelf(**{**self.chat_model_params, "max_tokens": max_tokens, **extra})
+
+    @property
+    def has_tool_choice(self) -> bool:
+        return True
+
+    @property
+    def supports_json_mode(self) -> bool:
+        return True
+
+    @property
+    def supports_model_override(self) -> bool:
+        return False  # one model per engine; a per-call ``model`` is accepted and ignored
+
+    @property
+    def supported_usage_metadata_details(self) -> dict[str, list[str]]:
+        return {"invoke": ["cache_read_input"], "stream": ["cache_read_input"]}
+
+    def invoke_with_cache_read_input(self, *, stream: bool = False) -> AIMessage:
+        """The same agent asked twice: the second prompt is read from its cache."""
+        llm = ChatKVShelf(**self.chat_model_params, agent_id="standard-cache-read")
+        messages = [HumanMessage("Name three colours.")]
+        llm.invoke(messages)
+        if not stream:
+            return llm.invoke(messages)
+        full: Any = None
+        for chunk in llm.stream(messages):
+            full = chunk if full is None else full + chunk
+        return full
+
+    # -- what a 270M model cannot do (each seen failing on the embedded model) ----------------
+    # A forced call opens the model's turn with the tool's name, so the call itself is made;
+    # what fails is the content: the model fills "arguments" with its own keys or with the
+    # JSON schema it was shown, and often keeps writing schema keys after the arguments.
+    @pytest.mark.xfail(reason="270M model: forced call names the tool but invents the argument key "
+                       "({'value': '3'}, not {'input': 3}) and runs on into the schema", strict=True)
+    @pytest.mark.parametrize("model", [{}, {"output_version": "v1"}], indirect=True)
+    def test_tool_calling(self, model: ChatKVShelf) -> None:
+        super().test_tool_calling(model)
+
+    @pytest.mark.xfail(reason="270M model: invents the argument key ({'value': '3'}, not {'input': 3})", strict=True)
+    async def test_tool_calling_async(self, model: ChatKVShelf) -> None:
+        await super().test_tool_calling_async(model)
+
+    @pytest.mark.xfail(reason="270M model: copies the tool's JSON schema into the arguments instead of "
+                       "choosing an answer_style", strict=True)
+    def test_bind_runnables_as_tools(self, model: ChatKVShelf) -> None:
+        super().test_bind_runnables_as_tools(model)
+
+    @pytest.mark.xfail(reason="270M model: with tool_choice='any' and two tools it copies the placeholder "
+                       "'function_name' from the calling instructions instead of picking a tool", strict=True)
+    def test_tool_choice(self, model: ChatKVShelf) -> None:
+        super().test_tool_choice(model)
+
+    @pytest.mark.xfail(reason="270M model: copies the empty parameters schema ({'type': 'object', "
+                       "'properties': {}}) as the arguments of a no-argument tool", strict=True)
+    def test_tool_calling_with_no_arguments(self, model: ChatKVShelf) -> None:
+        super().test_tool_calling_with_no_arguments(model)
+
+    # Asked for a Joke object, the model answers with (a piece of) the Joke *schema*. Only the
+    # pydantic variants fail: the standard test does not check the keys of a dict result, so
+    # the typeddict and json_schema variants pass with the same output (hence strict=False).
+    @pytest.mark.xfail(reason="270M model: writes the Joke JSON schema back instead of a joke; fails for "
+                       "schema_type='pydantic' only (dict results are not checked)", strict=False)
+    @pytest.mark.parametrize("schema_type", ["pydantic", "typeddict", "json_schema"])
+    def test_structured_output(self, model: ChatKVShelf, schema_type: str) -> None:
+        super().test_structured_output(model, schema_type)  # type: ignore[arg-type]
+
+    @pytest.mark.xfail(reason="270M model: writes the Joke JSON schema back instead of a joke; fails for "
+                       "schema_type='pydantic' only (dict results are not checked)", strict=False)
+    @pytest.mark.parametrize("schema_type", ["pydantic", "typeddict", "json_schema"])
+    async def test_structured_output_async(self, model: ChatKVShelf, schema_type: str) -> None:
+        await super().test_structured_output_async(model, schema_type)  # type: ignore[arg-type]
+
+    @pytest.mark.xfail(reason="270M model: writes the Joke JSON schema back instead of a joke", strict=True)
+    def test_structured_output_pydantic_2_v1(self, model: ChatKVShelf) -> None:
+        super().test_structured_output_pydantic_2_v1(model)
+
+    @pytest.mark.xfail(reason="270M model: writes the Joke JSON schema back instead of a joke", strict=True)
+    def test_structured_output_optional_param(self, model: ChatKVShelf) -> None:
+        super().test_structured_output_optional_param(model)
+
+    @pytest.mark.xfail(reason="270M model: asked for a JSON joke with 'setup' and 'punchline' keys, it writes "
+                       "valid JSON with keys of its own ({'name': 'cat', 'version': ...})", strict=True)
+    def test_json_mode(self, model: ChatKVShelf) -> None:
+        super().test_json_mode(model)
+
+    @pytest.mark.xfail(reason="270M model: does not call the weather tool of its own accord (tool_choice "
+                       "auto); it answers in text", strict=True)
+    @pytest.mark.parametrize("model", [{}, {"output_version": "v1"}], indirect=True)
+    def test_agent_loop(self, model: ChatKVShelf) -> None:
+        super().test_agent_loop(model)
+
+    @pytest.mark.xfail(reason="270M model: gets customer_name right ('你好啊集团') but does not close the "
+                       "call; it runs on with a description of its own past 48 tokens", strict=True)
+    def test_unicode_tool_call_integration(self, model: ChatKVShelf, *, tool_choice: str | None = None,
+                                           force_tool_call: bool = True) -> None:
+        super().test_unicode_tool_call_integration(model, tool_choice=tool_choice, force_tool_call=force_tool_call)
