@@ -88,30 +88,32 @@ def scenario(server: ServerProcess, agents: list[tuple[str, str]], s, headers_fo
              on_restart) -> dict:
     """Priming round, ``before`` rounds, restart, ``after`` rounds; every request timed."""
     startup = server.start(s.peer_startup_timeout_s)
-    history = {aid: [{"role": "system", "content": "Answer from this document.\n\n" + doc},
-                     {"role": "user", "content": QUESTIONS[0]}] for aid, doc in agents}
-    requests, restart = [], {}
-    with httpx.Client(timeout=None) as client:
-        def round_(r: int, phase: str) -> None:
-            for aid, _ in agents:
-                body = {"model": "default_model", "messages": history[aid], "max_tokens": s.peer_max_tokens,
-                        "temperature": 0.0}
-                res = stream_chat(client, server.url, body, headers_for(aid))
-                requests.append({"round": r, "phase": phase, "agent": aid, **res})
-                history[aid] = [*history[aid], {"role": "assistant", "content": res["text"] or "."},
-                                {"role": "user", "content": QUESTIONS[(r + 1) % len(QUESTIONS)]}]
-            print(f"  peer {server.name} round {r} ({phase}): {sum(q['total_s'] for q in requests if q['round'] == r):.1f} s",
-                  flush=True)
+    try:
+        history = {aid: [{"role": "system", "content": "Answer from this document.\n\n" + doc},
+                         {"role": "user", "content": QUESTIONS[0]}] for aid, doc in agents}
+        requests, restart = [], {}
+        with httpx.Client(timeout=None) as client:
+            def round_(r: int, phase: str) -> None:
+                for aid, _ in agents:
+                    body = {"model": "default_model", "messages": history[aid], "max_tokens": s.peer_max_tokens,
+                            "temperature": 0.0}
+                    res = stream_chat(client, server.url, body, headers_for(aid))
+                    requests.append({"round": r, "phase": phase, "agent": aid, **res})
+                    history[aid] = [*history[aid], {"role": "assistant", "content": res["text"] or "."},
+                                    {"role": "user", "content": QUESTIONS[(r + 1) % len(QUESTIONS)]}]
+                print(f"  peer {server.name} round {r} ({phase}): {sum(q['total_s'] for q in requests if q['round'] == r):.1f} s",
+                      flush=True)
 
-        round_(0, "priming")
-        for r in range(1, before + 1):
-            round_(r, "before restart")
-        restart["stop_s"] = server.stop()
-        on_restart()
-        restart["start_s"] = server.start(s.peer_startup_timeout_s)
-        for r in range(before + 1, before + after + 1):
-            round_(r, "after restart")
-    server.stop()
+            round_(0, "priming")
+            for r in range(1, before + 1):
+                round_(r, "before restart")
+            restart["stop_s"] = server.stop()
+            on_restart()
+            restart["start_s"] = server.start(s.peer_startup_timeout_s)
+            for r in range(before + 1, before + after + 1):
+                round_(r, "after restart")
+    finally:
+        server.stop()  # also when the bench is interrupted: never leave a server behind
     wall = sum(q["total_s"] for q in requests) + restart["stop_s"] + restart["start_s"]
     return {"startup_s": startup, "restart": restart, "requests": requests, "wall_s": wall}
 
@@ -181,7 +183,7 @@ def run(ctx: BenchContext) -> dict:
             vllm, about = vllm_mlx_server(s.peer_vllm_mlx, peer_dir, work, budget)
             runs["vllm-mlx"] = scenario(vllm, agents, s, lambda aid: {}, s.peer_rounds_before, s.peer_rounds_after,
                                         lambda: None)
-            vllm_note = f"ran as a second peer: {about}."
+            vllm_note = f"ran as a second peer: {about}. " + os.environ.get("KVSHELF_BENCH_VLLM_MLX_NOTE", "")
         except Exception as exc:  # noqa: BLE001  (recorded in the report)
             vllm_note = f"could not be run here: {type(exc).__name__}: {str(exc)[-600:]}"
 

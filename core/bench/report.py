@@ -65,6 +65,10 @@ def write(out_dir: Path, meta: dict, machine: dict, sections: dict[str, dict], c
         md += ["## Summary", "", *lines, ""]
     md += ["## Machine", "", machine_table(machine), ""]
     settings = {k: v for k, v in meta.get("settings", {}).items() if k not in ("mode", "notes", "peer_vllm_mlx")}
+    changed = meta.get("overridden") or []
+    if changed:
+        md += ["Overridden for this run (against the mode's defaults): "
+               + ", ".join(f"`{k}`" for k in changed if k in settings) + ".", ""]
     md += ["Settings: " + "; ".join(f"`{k}={','.join(map(str, v)) if isinstance(v, (list, tuple)) else v}`"
                                     for k, v in settings.items()), ""]
     for name, result in sections.items():

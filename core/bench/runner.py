@@ -11,14 +11,16 @@ reloaded if a later section needs it).
 from __future__ import annotations
 
 import shutil
+import signal
 import tempfile
+import threading
 import time
 import traceback
 from pathlib import Path
 
 from . import capacity, machine, peer, phase_section, quality, report, routing, ttft
 from .context import BenchContext
-from .settings import Settings
+from .settings import MODES, Settings
 
 MODULES = {"ttft": ttft, "capacity": capacity, "quality": quality, "routing": routing,
            "phases": phase_section, "peer": peer}
@@ -32,7 +34,18 @@ MODE_DOCS = {
 }
 
 
+def overridden(settings: Settings) -> list[str]:
+    base = MODES.get(settings.mode)
+    return [] if base is None else [k for k, v in vars(settings).items() if getattr(base, k) != v]
+
+
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)  # unwinds: servers are stopped, the scratch directory removed
+
+
 def run(settings: Settings, model: str, out_dir: Path, work_dir: Path | None = None) -> Path:
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _exit_on_sigterm)
     started = time.perf_counter()
     desc = machine.describe()
     work = Path(work_dir) if work_dir else Path(tempfile.mkdtemp(prefix="kvshelf-bench-", dir=Path.home()))
@@ -69,7 +82,8 @@ def run(settings: Settings, model: str, out_dir: Path, work_dir: Path | None = N
             meta = {"mode": settings.mode, "mode_doc": MODE_DOCS.get(settings.mode, ""), "model": model,
                     "date": time.strftime("%Y-%m-%d %H:%M %Z"), "elapsed_s": time.perf_counter() - started,
                     "settings": {k: v for k, v in vars(settings).items()},
-                    "not_reached": [n for n in settings.sections if n not in results]}
+                    "not_reached": [n for n in settings.sections if n not in results],
+                    "overridden": overridden(settings)}
             report.write(out_dir, meta, desc, results, charts)  # after every section: a partial run still reports
             print(f"[bench] {name} done in {result['elapsed_s']:.0f} s", flush=True)
     finally:
