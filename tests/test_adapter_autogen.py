@@ -299,7 +299,7 @@ async def test_structured_output_is_json(embedded):
     """The schema is shown, not enforced: the 270M model returns valid JSON, if not always a Pet."""
     result = await embedded.for_agent("json-pet").create(
         ask("Describe a pet cat called Tom as a JSON object with the keys name and species."), json_output=Pet,
-        extra_create_args={"max_tokens": 128},
+        extra_create_args={"max_tokens": 80},
     )
     assert isinstance(json.loads(result.content), dict)
 
