@@ -83,6 +83,7 @@ class KVShelfClientConfig(BaseModel):
     seed: int | None = None
     stop: str | list[str] | None = None
     family: str = ModelFamily.UNKNOWN
+    prefill_ahead: bool = False
 
 
 @dataclass(frozen=True)
@@ -118,6 +119,44 @@ class _Ledger:
             ledger = ledger.parent
 
 
+@dataclass
+class _Heard:
+    """A group-chat agent's last call and reply: what prefill ahead extends."""
+
+    name: str  # its name in other agents' message sources
+    messages: list[LLMMessage]
+    reply: str
+    body: dict[str, Any]
+
+
+def predict_context(listener: _Heard, speaker: str, messages: Sequence[LLMMessage], reply: str) -> list[LLMMessage] | None:
+    """What ``listener`` will be sent at its next turn, from what ``speaker`` was just sent
+    and said, in a group chat where every message is visible to every agent.
+
+    The speaker's history shows the listener's last reply as ``UserMessage(source=listener)``;
+    everything after it (and the speaker's new reply) is new to the listener, which hears
+    it as user turns. None when the listener's last reply is not in that history (it is
+    not in this group, or has not spoken yet) or nothing is new.
+    """
+    transcript = [m for m in messages if not isinstance(m, SystemMessage)]
+    transcript.append(AssistantMessage(content=reply, source=speaker))
+    last = next((i for i in range(len(transcript) - 1, -1, -1)
+                 if isinstance(m := transcript[i], UserMessage) and m.source == listener.name and m.content == listener.reply),
+                None)
+    if last is None:
+        return None
+    heard: list[LLMMessage] = []
+    for m in transcript[last + 1 :]:
+        if isinstance(m, UserMessage):
+            heard.append(m)
+        elif isinstance(m, AssistantMessage) and isinstance(m.content, str):
+            heard.append(UserMessage(content=m.content, source=speaker))
+        # the speaker's tool calls and their results stay the speaker's own
+    if not heard:
+        return None
+    return [*listener.messages, AssistantMessage(content=listener.reply, source=listener.name), *heard]
+
+
 class _Shared:
     """What a client and its views share: one backend (connected on first use) and what
     each agent has seen."""
@@ -128,6 +167,7 @@ class _Shared:
         self.lock = threading.Lock()
         self.conversations: dict[str, dict[str, Any]] = {}
         self.tools: dict[str, list[dict[str, Any]]] = {}  # the tools each agent was last offered
+        self.heard: dict[str, _Heard] = {}  # group-chat agents' last turns, for prefill ahead
         self.closed = False
 
     def get(self) -> Backend:
@@ -285,6 +325,13 @@ class KVShelfChatCompletionClient(ChatCompletionClient, Component[KVShelfClientC
     text in the system message (no call is parsed from the reply), so that
     AssistantAgent's reflection step does not change the agent's cached history.
 
+    ``prefill_ahead=True`` (for group chats such as ``RoundRobinGroupChat``, where every
+    agent hears every message): after an agent speaks, each other agent that has spoken
+    before gets its cache extended in the background with everything it has not heard
+    yet (``Engine.prefill_ahead``; remote: ``POST /v1/agents/{id}/append``), at the
+    lowest priority, so at its turn only the latest messages remain to prefill. Replies
+    are the same as without it (tested).
+
     Usage: ``actual_usage()`` and ``total_usage()`` (equal: kvshelf never answers from a
     response cache) count this client's calls; a client counts its views' calls too.
     ``turns`` / ``last_turn`` give each call's agent, cache source, TTFT and cached
@@ -312,6 +359,7 @@ class KVShelfChatCompletionClient(ChatCompletionClient, Component[KVShelfClientC
         seed: int | None = None,
         stop: str | list[str] | None = None,
         family: str = ModelFamily.UNKNOWN,
+        prefill_ahead: bool = False,
         engine: Engine | None = None,
     ) -> None:
         key = api_key.get_secret_value() if isinstance(api_key, SecretStr) else api_key
@@ -319,7 +367,7 @@ class KVShelfChatCompletionClient(ChatCompletionClient, Component[KVShelfClientC
             model=str(model), base_url=base_url, api_key=SecretStr(key) if key else None,
             cache_dir=str(cache_dir) if cache_dir is not None else None, budget=budget, agent_id=agent_id,
             agent_prefix=agent_prefix, temperature=temperature, top_p=top_p, max_tokens=max_tokens,
-            seed=seed, stop=stop, family=family,
+            seed=seed, stop=stop, family=family, prefill_ahead=prefill_ahead,
         )
         self._agent_id = agent_key(agent_id, agent_prefix) if agent_id is not None else None
         self._shared = _Shared(
@@ -343,6 +391,41 @@ class KVShelfChatCompletionClient(ChatCompletionClient, Component[KVShelfClientC
     def agent_id(self) -> str | None:
         """The bound agent id (None: resolved per call)."""
         return self._agent_id
+
+    def agent_name(self) -> str | None:
+        """The calling agent's name as other agents' messages show it (None outside a
+        runtime and unbound)."""
+        if self._config.agent_id is not None:
+            return self._config.agent_id
+        try:
+            runtime_id = MessageHandlerContext.agent_id()
+        except RuntimeError:
+            return None
+        match = _TEAM_SUFFIX.search(runtime_id.type)
+        return runtime_id.type[: match.start()] if match else runtime_id.type
+
+    async def _prefill_listeners(self, agent_id: str, messages: Sequence[LLMMessage], body: dict[str, Any],
+                                 result: CreateResult) -> None:
+        """Group chat: after ``agent_id`` spoke, extend each other agent's cache in the
+        background with what it has not heard yet (``Engine.prefill_ahead``), so at its
+        turn only the last few tokens remain. Off unless ``prefill_ahead=True``."""
+        name = self.agent_name()
+        if not self._config.prefill_ahead or name is None or not isinstance(result.content, str):
+            return
+        shared = self._shared
+        shared.heard[agent_id] = _Heard(name, list(messages), result.content, body)
+        backend = await self._backend()
+        for other, listener in list(shared.heard.items()):
+            if other == agent_id or (predicted := predict_context(listener, name, messages, result.content)) is None:
+                continue
+            ahead = {k: v for k, v in listener.body.items() if k != "messages"}
+            ahead["messages"] = to_openai_messages(predicted)
+            if "tools" not in ahead and other in shared.tools:
+                ahead["messages"] = with_system_text(ahead["messages"], tools_text(shared.tools[other]))
+            try:
+                await asyncio.to_thread(backend.append, other, ahead, True)
+            except Exception as exc:  # an optimisation: never fail the speaker's turn over it
+                logging.getLogger(__name__).warning("prefill ahead for %s failed: %s", other, exc)
 
     def resolve_agent_id(self, messages: Sequence[Mapping[str, Any]]) -> str:
         """The agent whose cache a call with these (OpenAI) messages uses, right now."""
@@ -462,6 +545,7 @@ class KVShelfChatCompletionClient(ChatCompletionClient, Component[KVShelfClientC
                               response.get("kvshelf"))
         event_logger.info(LLMCallEvent(messages=body["messages"], response=response, prompt_tokens=result.usage.prompt_tokens,
                                        completion_tokens=result.usage.completion_tokens, kvshelf_agent_id=agent_id))
+        await self._prefill_listeners(agent_id, messages, body, result)
         return result
 
     async def create_stream(
@@ -502,6 +586,7 @@ class KVShelfChatCompletionClient(ChatCompletionClient, Component[KVShelfClientC
         result = self._result(agent_id, body, merged["message"], merged["finish_reason"], merged["usage"], merged["kvshelf"])
         event_logger.info(LLMStreamEndEvent(response=result.model_dump(), prompt_tokens=result.usage.prompt_tokens,
                                             completion_tokens=result.usage.completion_tokens, kvshelf_agent_id=agent_id))
+        await self._prefill_listeners(agent_id, messages, body, result)
         yield result
 
     # -- accounting ------------------------------------------------------------------------

@@ -357,3 +357,41 @@ def test_dump_and_load_component(tiny):
     agent = AssistantAgent("ann", model_client=local, system_message="You are Ann.")
     again = AssistantAgent.load_component(agent.dump_component())
     assert again._model_client.dump_component() == local.dump_component()
+
+
+def test_predict_context_extends_the_listeners_history_with_what_it_has_not_heard():
+    from kvshelf.adapters.autogen import _Heard, predict_context
+
+    ben = _Heard("ben", [SystemMessage(content="You are ben."), UserMessage(content="Plan.", source="user")], "I agree.", {})
+    ann_saw = [SystemMessage(content="You are ann."), UserMessage(content="Plan.", source="user"),
+               AssistantMessage(content="Let us go.", source="ann"), UserMessage(content="I agree.", source="ben"),
+               UserMessage(content="Bring food.", source="cy")]
+    predicted = predict_context(ben, "ann", ann_saw, "Agreed, at noon.")
+    assert predicted == [*ben.messages, AssistantMessage(content="I agree.", source="ben"),
+                         UserMessage(content="Bring food.", source="cy"),
+                         UserMessage(content="Agreed, at noon.", source="ann")]
+    stranger = _Heard("dora", [SystemMessage(content="You are dora.")], "Hello.", {})
+    assert predict_context(stranger, "ann", ann_saw, "Agreed.") is None  # not in this group's history
+
+
+@MODES
+@pytest.mark.asyncio
+async def test_group_chat_prefill_ahead_gives_the_same_replies_with_more_of_each_prompt_cached(tiny, mode):
+    engine = tiny["engine"]
+
+    async def play(ahead: bool) -> tuple[list[str], list]:
+        client = make_client(tiny, mode, agent_prefix=f"{mode}-ahead{int(ahead)}-", prefill_ahead=ahead, max_tokens=5)
+        agents = [AssistantAgent(n, model_client=client, system_message=f"You are {n}, planning a trip.")
+                  for n in ("ann", "ben", "cy")]
+        result = await RoundRobinGroupChat(agents, max_turns=9).run(task="Where shall we go?")
+        await client.close()
+        return [m.content for m in result.messages], client.turns
+
+    plain_texts, plain_turns = await play(False)
+    before = engine.stats["background_calls"]
+    ahead_texts, ahead_turns = await play(True)
+    assert engine.stats["background_calls"] > before
+    assert ahead_texts == plain_texts
+    # from the second round on, what others said before the last speaker was prefilled ahead
+    for plain, ahead in zip(plain_turns[3:], ahead_turns[3:]):
+        assert ahead.prompt_tokens == plain.prompt_tokens and ahead.cached_tokens > plain.cached_tokens
