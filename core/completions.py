@@ -121,6 +121,8 @@ def prepare(req: ChatCompletionRequest, header_agent: str | None, default_max_to
         "stop": req.stop,
         "seed": req.seed,
     }
+    if want_json and not use_tools:
+        options["until"] = json_mode.end_of_object(opening)
     return Turn(agent_id, messages, opening, names if use_tools else [], want_json, req.parallel_tool_calls, options)
 
 

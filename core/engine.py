@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import queue
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -103,10 +103,16 @@ class Engine:
         top_p: float = 1.0,
         stop: str | Sequence[str] | None = None,
         seed: int | None = None,
+        until: Callable[[str], int] | None = None,
     ) -> ChatResult:
-        """Generate the agent's next message. ``agent_id=None`` is served but never persisted."""
+        """Generate the agent's next message. ``agent_id=None`` is served but never persisted.
+
+        ``until(text)`` may end the reply early: given the text so far, it returns the
+        length to keep once the reply is complete (``json_mode.end_of_object`` does this
+        for a JSON object), or -1 to go on."""
         for item in self.stream(
-            agent_id, messages, max_tokens=max_tokens, temperature=temperature, top_p=top_p, stop=stop, seed=seed
+            agent_id, messages, max_tokens=max_tokens, temperature=temperature, top_p=top_p, stop=stop, seed=seed,
+            until=until,
         ):
             if isinstance(item, ChatResult):
                 return item
@@ -273,6 +279,7 @@ class Engine:
         top_p: float = 1.0,
         stop: str | Sequence[str] | None = None,
         seed: int | None = None,
+        until: Callable[[str], int] | None = None,
         prefill_only: bool = False,
     ) -> Request:
         """Validate everything in the caller's thread, so bad input fails fast and alone."""
@@ -286,7 +293,7 @@ class Engine:
             raise ValueError("stop must be a non-empty string or a list of them")
         sampler = None if prefill_only else Sampler(temperature, top_p, seed)
         max_tokens = min(max_tokens, self.loaded.context_length - len(prompt))
-        return Request(aid, prompt, max_tokens, sampler, stops, emit)
+        return Request(aid, prompt, max_tokens, sampler, stops, emit, until=until)
 
     def _encode(self, messages: Sequence[Message]) -> list[int]:
         prompt = self.tokenizer.encode_prompt(self.loaded.template.render(messages))

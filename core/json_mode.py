@@ -5,7 +5,8 @@ whose schema is shown to the model but not enforced) the server:
 
 1. appends an instruction to the system text (the same every turn, so the cache is reused);
 2. opens the model's turn with ``{``, so the reply starts as an object;
-3. cuts the reply right after the top-level object closes, dropping any chatter after it;
+3. ends generation right where the top-level object closes (``end_of_object``), so no
+   tokens are spent on chatter after it;
 4. checks the result with ``json.loads``.
 
 When the reply still is not valid JSON (the model broke the syntax, or ``max_tokens``
@@ -17,7 +18,7 @@ Clients should parse defensively, as they must with OpenAI.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 OPENING = "{"
@@ -43,6 +44,25 @@ def is_valid_json(text: str) -> bool:
     except (json.JSONDecodeError, RecursionError):
         return False
     return True
+
+
+def end_of_object(opening: str = OPENING) -> Callable[[str], int]:
+    """For ``Engine.stream(until=...)``: given the reply so far (after ``opening``), the
+    length at which its top-level object closes, or -1. Fed incrementally (each call
+    sees the text grown by a token), so a reply costs linear time."""
+    cutter = JsonObjectCutter()
+    cutter.feed(opening)
+    fed, end = 0, -1
+
+    def until(text: str) -> int:
+        nonlocal fed, end
+        if end < 0:
+            kept = cutter.feed(text[fed:])
+            end = fed + len(kept) if cutter.done else -1
+            fed = len(text)
+        return end
+
+    return until
 
 
 class JsonObjectCutter:

@@ -143,6 +143,7 @@ class Request:
     t0: float = field(default_factory=time.perf_counter)
     cancelled: bool = False
     background: bool = False  # prefill ahead: lowest priority, superseded by any later request
+    until: Callable[[str], int] | None = None  # where the reply is complete (e.g. a JSON object), or -1
     cache: AgentCache | None = None
     restoring: Future | None = None
     planned: bool = False
@@ -383,6 +384,8 @@ class Scheduler:
             r.generated.append(token)
             r.text = eng.tokenizer.decode(r.generated)
             cut = min((i for i in (r.text.find(s) for s in stops) if i >= 0), default=-1)
+            if r.until is not None and (end := r.until(r.text)) >= 0:
+                cut = end if cut < 0 else min(cut, end)
             if cut >= 0:
                 r.text, r.finish, done = r.text[:cut], "stop", True
             elif len(r.generated) >= r.max_tokens:
