@@ -180,8 +180,6 @@ class ChatKVShelf(BaseChatModel):
             "seed": self.seed, "top_p": self.top_p, "stop": stop or self.stop or None,
         }
         body.update({k: kwargs[k] for k in _BODY_KWARGS if k in kwargs})
-        if "stop" in kwargs and kwargs["stop"]:
-            body["stop"] = kwargs["stop"]
         body = {k: v for k, v in body.items() if v is not None}
         run_metadata = getattr(run_manager, "metadata", None)
         return self._resolve_agent(openai_messages, kwargs, run_metadata), body

@@ -53,6 +53,16 @@ def offline_home(tmp_path_factory) -> Iterator[None]:
     patch.undo()
 
 
+@pytest.fixture(scope="module")
+def standard_engine(embedded_loaded, tmp_path_factory) -> Iterator[Engine]:
+    """One engine on the embedded model for the integration suite, caches in a temp directory."""
+    eng = Engine(model=embedded_loaded, cache_dir=tmp_path_factory.mktemp("lc-standard"), progress=False)
+    _ENGINE.append(eng)
+    yield eng
+    _ENGINE.clear()
+    eng.close()
+
+
 class TestChatKVShelfUnit(ChatModelUnitTests):
     @property
     def chat_model_class(self) -> type[ChatKVShelf]:
@@ -86,19 +96,11 @@ _MAX_TOKENS = {
 }
 
 
+@pytest.mark.usefixtures("standard_engine")
 class TestChatKVShelfIntegration(ChatModelIntegrationTests):
     @property
     def chat_model_class(self) -> type[ChatKVShelf]:
         return ChatKVShelf
-
-    @pytest.fixture(scope="class", autouse=True)
-    def engine(self, embedded_loaded, tmp_path_factory) -> Iterator[Engine]:
-        """One engine on the embedded model for the suite, its caches in a temporary directory."""
-        eng = Engine(model=embedded_loaded, cache_dir=tmp_path_factory.mktemp("lc-standard"), progress=False)
-        _ENGINE.append(eng)
-        yield eng
-        _ENGINE.clear()
-        eng.close()
 
     @property
     def chat_model_params(self) -> dict[str, Any]:
