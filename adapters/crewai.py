@@ -157,6 +157,21 @@ class KVShelfLLM(BaseLLM):
             return super().get_input_tokens_count(messages, tools, response_model)
 
     # -- calls ---------------------------------------------------------------------------
+    def _begin(self, messages: str | list[Any], tools: list[dict[str, Any]] | None, callbacks: list[Any] | None,
+               available_functions: dict[str, Any] | None, from_task: Any, from_agent: Any,
+               response_model: type[BaseModel] | None) -> tuple[list[dict[str, Any]], str, dict[str, Any], bool]:
+        """What ``call`` and ``acall`` do before the request: the started event, the
+        before-call hooks, the agent and the body (messages, agent id, body, streaming)."""
+        self._emit_call_started_event(
+            messages=messages, tools=tools, callbacks=callbacks,
+            available_functions=available_functions, from_task=from_task, from_agent=from_agent,
+        )
+        formatted = self._format_messages(messages)
+        self._invoke_before_llm_call_hooks(formatted, from_agent)
+        agent = self.agent_id_for(from_agent, formatted)
+        streaming = bool(self._effective_stream())
+        return formatted, agent, self._body(formatted, tools, response_model, streaming), streaming
+
     def call(
         self,
         messages: str | list[Any],
@@ -169,15 +184,9 @@ class KVShelfLLM(BaseLLM):
     ) -> str | Any:
         with llm_call_context():
             try:
-                self._emit_call_started_event(
-                    messages=messages, tools=tools, callbacks=callbacks,
-                    available_functions=available_functions, from_task=from_task, from_agent=from_agent,
+                formatted, agent, body, streaming = self._begin(
+                    messages, tools, callbacks, available_functions, from_task, from_agent, response_model
                 )
-                formatted = self._format_messages(messages)
-                self._invoke_before_llm_call_hooks(formatted, from_agent)
-                agent = self.agent_id_for(from_agent, formatted)
-                streaming = bool(self._effective_stream())
-                body = self._body(formatted, tools, response_model, streaming)
                 if streaming:
                     chunks = [self._on_chunk(c, from_task, from_agent) for c in self.backend.stream(agent, body)]
                     reply = _merged(chunks)
@@ -202,15 +211,9 @@ class KVShelfLLM(BaseLLM):
     ) -> str | Any:
         with llm_call_context():
             try:
-                self._emit_call_started_event(
-                    messages=messages, tools=tools, callbacks=callbacks,
-                    available_functions=available_functions, from_task=from_task, from_agent=from_agent,
+                formatted, agent, body, streaming = self._begin(
+                    messages, tools, callbacks, available_functions, from_task, from_agent, response_model
                 )
-                formatted = self._format_messages(messages)
-                self._invoke_before_llm_call_hooks(formatted, from_agent)
-                agent = self.agent_id_for(from_agent, formatted)
-                streaming = bool(self._effective_stream())
-                body = self._body(formatted, tools, response_model, streaming)
                 if streaming:
                     stream: AsyncIterator[dict] = self.backend.astream(agent, body)
                     chunks = [self._on_chunk(c, from_task, from_agent) async for c in stream]
