@@ -14,6 +14,8 @@ never on the turn, so earlier turns stay byte-stable and the agent's cache is re
   so that it has to name a function;
 - a named function: opened with ``<tool_call>{"name": "<it>", "arguments":``.
 
+A forced turn is one call: generation ends where the call's JSON object closes.
+
 Forcing by an opened turn is a best effort (kvshelf has no grammar-constrained
 decoding): if the model still produces no valid call, the reply comes back as plain
 content with ``finish_reason`` "stop" or "length", never as an invented call.
