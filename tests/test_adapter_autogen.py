@@ -270,7 +270,7 @@ async def test_tool_call_round_trip(embedded):
         AssistantMessage(content=called.content, thought=called.thought, source="forecaster"),
         FunctionExecutionResultMessage(content=[FunctionExecutionResult(content=output, name=call.name, call_id=call.id)]),
     ]
-    answer = await agent.create(messages, tools=[tool])
+    answer = await agent.create(messages, tools=[tool], extra_create_args={"max_tokens": 12})
     assert isinstance(answer.content, str) and answer.content.strip() and answer.finish_reason in ("stop", "length")
     assert agent.last_turn.cached_tokens >= called.usage.prompt_tokens  # the call stayed in the cache
 
