@@ -115,7 +115,7 @@ def run(ctx: BenchContext) -> dict:
             "budget_mb": s.capacity_budget / 1e6,
             "fp16_agents": fp16["resident"], "q4_agents": q4["resident"],
             "q4_over_fp16": q4["resident"] / max(1, fp16["resident"]),
-            "fp16_mb_per_agent": fp16["bytes_per_agent"] / 1e6, "q4_mb_per_agent": q4["bytes_per_agent"] / 1e6,
+            "fp16_per_agent_mb": fp16["bytes_per_agent"] / 1e6, "q4_per_agent_mb": q4["bytes_per_agent"] / 1e6,
             "fp16_mlx_active_mb": fp16["mlx_active_bytes_before_eviction"] / 1e6,
             "q4_mlx_active_mb": q4["mlx_active_bytes_before_eviction"] / 1e6,
             "raw": {"q4": q4, "fp16": fp16, "kv_scheme": engine.scheme.name},
