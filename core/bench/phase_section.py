@@ -25,7 +25,9 @@ def run(ctx: BenchContext) -> dict:
         return {"title": TITLE, "table": [], "pending": True,
                 "description": "Not run: kvshelf.bench.phases (the scenario, issue 7) is not in this build yet."}
     ctx.close()  # the scenario loads its own engine; give its memory back first
-    result = dict(phases.run(ctx.out_dir / "phases", ctx.settings.mode == "quick", model=ctx.model))
+    result = dict(phases.run(ctx.out_dir / "phases", ctx.settings.mode == "quick", model=ctx.model,
+                             max_tokens=ctx.settings.phases_max_tokens or None))
+    result.pop("runs", None)  # every turn of every mode: kept in phases/phases.json, not in the report's JSON
     result.setdefault("title", TITLE)
     result.setdefault("table", [])
     result.setdefault("description", (phases.__doc__ or "").strip().split("\n\n")[0])
