@@ -21,26 +21,15 @@ from servers import ServerThread
 from kvshelf.adapters.backend import shared_engine
 from kvshelf.adapters.identity import agent_key, fallback_key
 from kvshelf.adapters.langchain import ChatKVShelf
+from langchain_env import offline_langchain_env
 from kvshelf.engine import Engine
-from kvshelf.paths import kvshelf_home
 from kvshelf.server import create_app
 
 SYSTEM = "You are a member of a small research team. Answer in one short sentence."
 QUESTION = "What is a cache?"
 
 
-@pytest.fixture(scope="module", autouse=True)
-def offline_home(tmp_path_factory) -> Iterator[None]:
-    """``$HOME`` in a temporary directory (the converted model stays where it is)."""
-    patch = pytest.MonkeyPatch()
-    patch.setenv("KVSHELF_HOME", str(kvshelf_home()))
-    patch.setenv("HOME", str(tmp_path_factory.mktemp("home")))
-    patch.setenv("LANGSMITH_TRACING", "false")
-    patch.setenv("LANGCHAIN_TRACING_V2", "false")
-    patch.delenv("KVSHELF_API_KEY", raising=False)
-    patch.delenv("KVSHELF_BASE_URL", raising=False)
-    yield
-    patch.undo()
+offline_home = pytest.fixture(scope="module", autouse=True)(offline_langchain_env)
 
 
 @pytest.fixture(scope="module")

@@ -24,8 +24,8 @@ from langchain_tests.integration_tests import ChatModelIntegrationTests
 from langchain_tests.unit_tests import ChatModelUnitTests
 
 from kvshelf.adapters.langchain import ChatKVShelf
+from langchain_env import offline_langchain_env
 from kvshelf.engine import Engine
-from kvshelf.paths import kvshelf_home
 
 # Every test gets pytest-asyncio's marker, so the inherited ``async def`` tests run without
 # ``asyncio_mode = "auto"`` (which would change the whole suite); sync tests ignore it.
@@ -38,19 +38,7 @@ pytestmark = [
 _ENGINE: list[Engine] = []  # the integration suite's engine, for chat_model_params (a property, so no fixtures)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def offline_home(tmp_path_factory) -> Iterator[None]:
-    """``$HOME`` in a temporary directory (the converted model stays where it is), no tracing,
-    no server or key from the environment."""
-    patch = pytest.MonkeyPatch()
-    patch.setenv("KVSHELF_HOME", str(kvshelf_home()))
-    patch.setenv("HOME", str(tmp_path_factory.mktemp("home")))
-    patch.setenv("LANGSMITH_TRACING", "false")
-    patch.setenv("LANGCHAIN_TRACING_V2", "false")
-    patch.delenv("KVSHELF_API_KEY", raising=False)
-    patch.delenv("KVSHELF_BASE_URL", raising=False)
-    yield
-    patch.undo()
+offline_home = pytest.fixture(scope="module", autouse=True)(offline_langchain_env)
 
 
 @pytest.fixture(scope="module")
