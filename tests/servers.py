@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import socket
+import subprocess
 import threading
 import time
 
+import httpx
 import uvicorn
 
 
@@ -28,3 +30,16 @@ class ServerThread:
         self.server.should_exit = True
         self.thread.join(30)
         assert not self.thread.is_alive()
+
+
+def wait_up(proc: subprocess.Popen, url: str, timeout: float = 60) -> None:
+    """Wait until a ``kvshelf serve`` subprocess answers /health (failing if it exits)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        assert proc.poll() is None, proc.stdout.read() if proc.stdout else proc.returncode
+        assert time.monotonic() < deadline, "kvshelf serve did not come up"
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return
+        except httpx.TransportError:
+            time.sleep(0.1)

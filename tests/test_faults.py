@@ -26,6 +26,7 @@ import kvshelf  # noqa: F401  (OpenBLAS before mlx)
 import httpx
 import pytest
 from crashkit import KILL_MODES, Ledger, crash_once, warm_restore_check
+from servers import wait_up
 from tiny import make_tiny_model_dir
 
 pytest.importorskip("fastapi")
@@ -168,18 +169,6 @@ def start_server(model: Path, cache_dir: Path) -> tuple[subprocess.Popen, str]:
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
     return proc, f"http://127.0.0.1:{port}"
-
-
-def wait_up(proc: subprocess.Popen, url: str) -> None:
-    deadline = time.monotonic() + 60
-    while True:
-        assert proc.poll() is None, proc.stdout.read()
-        assert time.monotonic() < deadline, "kvshelf serve did not come up"
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return
-        except httpx.TransportError:
-            time.sleep(0.1)
 
 
 def listening_on(pid: int, port: int) -> list[str]:

@@ -22,7 +22,7 @@ from pathlib import Path
 import kvshelf  # noqa: F401  (OpenBLAS before mlx)
 import httpx
 import pytest
-from servers import ServerThread
+from servers import ServerThread, wait_up
 from tiny import make_tiny_model_dir
 
 openai = pytest.importorskip("openai")
@@ -343,15 +343,8 @@ def _start_cli_server(model_dir: Path, cache_dir: Path) -> tuple[subprocess.Pope
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while True:
-        assert proc.poll() is None, proc.stdout.read()
-        assert time.monotonic() < deadline, "kvshelf serve did not come up"
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return proc, url
-        except httpx.TransportError:
-            time.sleep(0.1)
+    wait_up(proc, url)
+    return proc, url
 
 
 def _stop(proc: subprocess.Popen) -> str:
