@@ -65,6 +65,7 @@ QUICK = Settings(
     routing_doc_tokens=512,
     routing_questions=10,
     peer_doc_tokens=512,
+    phases_max_tokens=8,
 )
 
 FULL = Settings(
