@@ -49,18 +49,33 @@ from autogen_core.models import (
 from autogen_core.tools import Tool, ToolSchema
 from pydantic import BaseModel, SecretStr
 
-from ..engine import Engine
-from ..tools import tools_text, with_system_text
-from .backend import Backend, connect, merge_chunks
-from .identity import agent_key, fallback_key
+from kvshelf.adapters.backend import Backend, connect, merge_chunks
+from kvshelf.adapters.identity import agent_key, fallback_key
+from kvshelf.runtime.engine import Engine
+from kvshelf.serving.tools import tools_text, with_system_text
 
-__all__ = ["KVShelfChatCompletionClient", "KVShelfClientConfig", "TurnStats", "runtime_agent_name", "to_openai_messages"]
+__all__ = [
+    "KVShelfChatCompletionClient",
+    "KVShelfClientConfig",
+    "TurnStats",
+    "runtime_agent_name",
+    "to_openai_messages",
+]
 
 event_logger = logging.getLogger(EVENT_LOGGER_NAME)
 
 # Options a caller may pass per call in ``extra_create_args`` (OpenAI request fields).
 EXTRA_CREATE_ARGS = frozenset(
-    {"max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stop", "parallel_tool_calls", "response_format"}
+    {
+        "max_tokens",
+        "max_completion_tokens",
+        "temperature",
+        "top_p",
+        "seed",
+        "stop",
+        "parallel_tool_calls",
+        "response_format",
+    }
 )
 _FINISH = {"stop": "stop", "length": "length", "tool_calls": "function_calls", "content_filter": "content_filter"}
 _TEAM_SUFFIX = re.compile(r"_([0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12})$")
@@ -129,7 +144,9 @@ class _Heard:
     body: dict[str, Any]
 
 
-def predict_context(listener: _Heard, speaker: str, messages: Sequence[LLMMessage], reply: str) -> list[LLMMessage] | None:
+def predict_context(
+    listener: _Heard, speaker: str, messages: Sequence[LLMMessage], reply: str
+) -> list[LLMMessage] | None:
     """What ``listener`` will be sent at its next turn, from what ``speaker`` was just sent
     and said, in a group chat where every message is visible to every agent.
 
@@ -140,9 +157,14 @@ def predict_context(listener: _Heard, speaker: str, messages: Sequence[LLMMessag
     """
     transcript = [m for m in messages if not isinstance(m, SystemMessage)]
     transcript.append(AssistantMessage(content=reply, source=speaker))
-    last = next((i for i in range(len(transcript) - 1, -1, -1)
-                 if isinstance(m := transcript[i], UserMessage) and m.source == listener.name and m.content == listener.reply),
-                None)
+    last = next(
+        (
+            i
+            for i in range(len(transcript) - 1, -1, -1)
+            if isinstance(m := transcript[i], UserMessage) and m.source == listener.name and m.content == listener.reply
+        ),
+        None,
+    )
     if last is None:
         return None
     heard: list[LLMMessage] = []
@@ -237,11 +259,18 @@ def to_openai_messages(messages: Sequence[LLMMessage]) -> list[dict[str, Any]]:
             if isinstance(message.content, str):
                 out.append({"role": "assistant", "content": message.content})
             else:
-                out.append({"role": "assistant", "content": message.thought or None,
-                            "tool_calls": [_function_call(c) for c in message.content]})
+                out.append(
+                    {
+                        "role": "assistant",
+                        "content": message.thought or None,
+                        "tool_calls": [_function_call(c) for c in message.content],
+                    }
+                )
         elif isinstance(message, FunctionExecutionResultMessage):
-            out.extend({"role": "tool", "tool_call_id": r.call_id, "name": r.name, "content": r.content}
-                       for r in message.content)
+            out.extend(
+                {"role": "tool", "tool_call_id": r.call_id, "name": r.name, "content": r.content}
+                for r in message.content
+            )
         else:
             raise ValueError(f"unsupported message type {type(message).__name__}")
     return out
@@ -262,8 +291,10 @@ def _response_format(json_output: bool | type[BaseModel] | None) -> dict[str, An
     if json_output is True:
         return {"type": "json_object"}
     if isinstance(json_output, type) and issubclass(json_output, BaseModel):
-        return {"type": "json_schema",
-                "json_schema": {"name": json_output.__name__, "schema": json_output.model_json_schema(), "strict": False}}
+        return {
+            "type": "json_schema",
+            "json_schema": {"name": json_output.__name__, "schema": json_output.model_json_schema(), "strict": False},
+        }
     raise ValueError(f"json_output must be a bool or a pydantic model class, not {json_output!r}")
 
 
@@ -364,14 +395,25 @@ class KVShelfChatCompletionClient(ChatCompletionClient, Component[KVShelfClientC
     ) -> None:
         key = api_key.get_secret_value() if isinstance(api_key, SecretStr) else api_key
         self._config = KVShelfClientConfig(
-            model=str(model), base_url=base_url, api_key=SecretStr(key) if key else None,
-            cache_dir=str(cache_dir) if cache_dir is not None else None, budget=budget, agent_id=agent_id,
-            agent_prefix=agent_prefix, temperature=temperature, top_p=top_p, max_tokens=max_tokens,
-            seed=seed, stop=stop, family=family, prefill_ahead=prefill_ahead,
+            model=str(model),
+            base_url=base_url,
+            api_key=SecretStr(key) if key else None,
+            cache_dir=str(cache_dir) if cache_dir is not None else None,
+            budget=budget,
+            agent_id=agent_id,
+            agent_prefix=agent_prefix,
+            temperature=temperature,
+            top_p=top_p,
+            max_tokens=max_tokens,
+            seed=seed,
+            stop=stop,
+            family=family,
+            prefill_ahead=prefill_ahead,
         )
         self._agent_id = agent_key(agent_id, agent_prefix) if agent_id is not None else None
         self._shared = _Shared(
-            {"model": str(model), "base_url": base_url, "api_key": key, "cache_dir": cache_dir, "budget": budget}, engine
+            {"model": str(model), "base_url": base_url, "api_key": key, "cache_dir": cache_dir, "budget": budget},
+            engine,
         )
         self._ledger = _Ledger()
         self._is_view = False
@@ -404,8 +446,9 @@ class KVShelfChatCompletionClient(ChatCompletionClient, Component[KVShelfClientC
         match = _TEAM_SUFFIX.search(runtime_id.type)
         return runtime_id.type[: match.start()] if match else runtime_id.type
 
-    async def _prefill_listeners(self, agent_id: str, messages: Sequence[LLMMessage], body: dict[str, Any],
-                                 result: CreateResult) -> None:
+    async def _prefill_listeners(
+        self, agent_id: str, messages: Sequence[LLMMessage], body: dict[str, Any], result: CreateResult
+    ) -> None:
         """Group chat: after ``agent_id`` spoke, extend each other agent's cache in the
         background with what it has not heard yet (``Engine.prefill_ahead``), so at its
         turn only the last few tokens remain. Off unless ``prefill_ahead=True``."""
@@ -451,9 +494,15 @@ class KVShelfChatCompletionClient(ChatCompletionClient, Component[KVShelfClientC
         """The OpenAI chat request for these arguments (before ``_prepare``'s tool text)."""
         unknown = set(extra_create_args) - EXTRA_CREATE_ARGS
         if unknown:
-            raise ValueError(f"unsupported extra_create_args {sorted(unknown)}; kvshelf takes {sorted(EXTRA_CREATE_ARGS)}")
+            raise ValueError(
+                f"unsupported extra_create_args {sorted(unknown)}; kvshelf takes {sorted(EXTRA_CREATE_ARGS)}"
+            )
         cfg = self._config
-        body: dict[str, Any] = {"model": cfg.model, "messages": to_openai_messages(messages), "temperature": cfg.temperature}
+        body: dict[str, Any] = {
+            "model": cfg.model,
+            "messages": to_openai_messages(messages),
+            "temperature": cfg.temperature,
+        }
         for name in ("top_p", "max_tokens", "seed", "stop"):
             if getattr(cfg, name) is not None:
                 body[name] = getattr(cfg, name)
@@ -470,15 +519,22 @@ class KVShelfChatCompletionClient(ChatCompletionClient, Component[KVShelfClientC
         body.update(extra_create_args)
         return body
 
-    def _prepare(self, messages: Sequence[LLMMessage], tools: Sequence[Tool | ToolSchema], tool_choice: Any,
-                 json_output: bool | type[BaseModel] | None, extra_create_args: Mapping[str, Any]) -> tuple[str, dict]:
+    def _prepare(
+        self,
+        messages: Sequence[LLMMessage],
+        tools: Sequence[Tool | ToolSchema],
+        tool_choice: Any,
+        json_output: bool | type[BaseModel] | None,
+        extra_create_args: Mapping[str, Any],
+    ) -> tuple[str, dict]:
         """The agent and the request body of a call. Once an agent has been offered tools,
         a later call without them (or with ``tool_choice="none"``, as AssistantAgent's
         reflection after a tool call does) still shows the model the same tool text,
         though no call is parsed from its reply: the system text, and so the agent's
         whole cached history, stays the same instead of being recomputed twice."""
-        body = self.request_body(messages, tools=tools, tool_choice=tool_choice, json_output=json_output,
-                                 extra_create_args=extra_create_args)
+        body = self.request_body(
+            messages, tools=tools, tool_choice=tool_choice, json_output=json_output, extra_create_args=extra_create_args
+        )
         agent_id = self.resolve_agent_id(body["messages"])
         offered = body.get("tools")
         if offered and body.get("tool_choice") != "none":
@@ -495,8 +551,15 @@ class KVShelfChatCompletionClient(ChatCompletionClient, Component[KVShelfClientC
             return self._shared.backend
         return await asyncio.to_thread(self._shared.get)  # loading a model must not block the loop
 
-    def _result(self, agent_id: str, body: dict[str, Any], message: dict, finish: str | None, usage: dict | None,
-                ext: dict | None) -> CreateResult:
+    def _result(
+        self,
+        agent_id: str,
+        body: dict[str, Any],
+        message: dict,
+        finish: str | None,
+        usage: dict | None,
+        ext: dict | None,
+    ) -> CreateResult:
         usage = usage or {}
         prompt, completion = int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0)
         ext = ext or {}
@@ -504,23 +567,35 @@ class KVShelfChatCompletionClient(ChatCompletionClient, Component[KVShelfClientC
         content: str | list[FunctionCall]
         if calls:
             content = [
-                FunctionCall(id=c.get("id") or "", name=c["function"]["name"],
-                             arguments=a if isinstance(a := c["function"].get("arguments", "{}"), str) else json.dumps(a))
+                FunctionCall(
+                    id=c.get("id") or "",
+                    name=c["function"]["name"],
+                    arguments=a if isinstance(a := c["function"].get("arguments", "{}"), str) else json.dumps(a),
+                )
                 for c in calls
             ]
             thought, reason = (message.get("content") or None), "function_calls"
         else:
             content, thought, reason = message.get("content") or "", None, _FINISH.get(finish or "", "unknown")
         turn = TurnStats(
-            agent_id=ext.get("agent_id") or agent_id, cache=ext.get("cache", "none"), ttft_s=float(ext.get("ttft_s") or 0.0),
-            prompt_tokens=prompt, cached_tokens=int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0),
-            completion_tokens=completion, finish_reason=reason,
+            agent_id=ext.get("agent_id") or agent_id,
+            cache=ext.get("cache", "none"),
+            ttft_s=float(ext.get("ttft_s") or 0.0),
+            prompt_tokens=prompt,
+            cached_tokens=int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0),
+            completion_tokens=completion,
+            finish_reason=reason,
         )
         self._ledger.record(turn)
         reply = {k: v for k, v in message.items() if k in ("role", "content", "tool_calls")}
         self._shared.conversations[agent_id] = {**body, "messages": [*body["messages"], reply]}
-        return CreateResult(finish_reason=cast(Any, reason), content=content, usage=RequestUsage(prompt, completion),
-                            cached=False, thought=thought)
+        return CreateResult(
+            finish_reason=cast(Any, reason),
+            content=content,
+            usage=RequestUsage(prompt, completion),
+            cached=False,
+            thought=thought,
+        )
 
     async def create(
         self,
@@ -541,10 +616,23 @@ class KVShelfChatCompletionClient(ChatCompletionClient, Component[KVShelfClientC
             cancellation_token.link_future(task)
         response = await task
         choice = response["choices"][0]
-        result = self._result(agent_id, body, choice["message"], choice.get("finish_reason"), response.get("usage"),
-                              response.get("kvshelf"))
-        event_logger.info(LLMCallEvent(messages=body["messages"], response=response, prompt_tokens=result.usage.prompt_tokens,
-                                       completion_tokens=result.usage.completion_tokens, kvshelf_agent_id=agent_id))
+        result = self._result(
+            agent_id,
+            body,
+            choice["message"],
+            choice.get("finish_reason"),
+            response.get("usage"),
+            response.get("kvshelf"),
+        )
+        event_logger.info(
+            LLMCallEvent(
+                messages=body["messages"],
+                response=response,
+                prompt_tokens=result.usage.prompt_tokens,
+                completion_tokens=result.usage.completion_tokens,
+                kvshelf_agent_id=agent_id,
+            )
+        )
         await self._prefill_listeners(agent_id, messages, body, result)
         return result
 
@@ -583,9 +671,17 @@ class KVShelfChatCompletionClient(ChatCompletionClient, Component[KVShelfClientC
             await stream.aclose()
         merged = merge_chunks(chunks)
         del body["stream_options"]
-        result = self._result(agent_id, body, merged["message"], merged["finish_reason"], merged["usage"], merged["kvshelf"])
-        event_logger.info(LLMStreamEndEvent(response=result.model_dump(), prompt_tokens=result.usage.prompt_tokens,
-                                            completion_tokens=result.usage.completion_tokens, kvshelf_agent_id=agent_id))
+        result = self._result(
+            agent_id, body, merged["message"], merged["finish_reason"], merged["usage"], merged["kvshelf"]
+        )
+        event_logger.info(
+            LLMStreamEndEvent(
+                response=result.model_dump(),
+                prompt_tokens=result.usage.prompt_tokens,
+                completion_tokens=result.usage.completion_tokens,
+                kvshelf_agent_id=agent_id,
+            )
+        )
         await self._prefill_listeners(agent_id, messages, body, result)
         yield result
 
@@ -626,8 +722,14 @@ class KVShelfChatCompletionClient(ChatCompletionClient, Component[KVShelfClientC
 
     @property
     def model_info(self) -> ModelInfo:
-        return ModelInfo(vision=False, function_calling=True, json_output=True, structured_output=True,
-                         family=self._config.family, multiple_system_messages=False)
+        return ModelInfo(
+            vision=False,
+            function_calling=True,
+            json_output=True,
+            structured_output=True,
+            family=self._config.family,
+            multiple_system_messages=False,
+        )
 
     @property
     def capabilities(self) -> ModelCapabilities:  # type: ignore[override]  (deprecated in AutoGen)

@@ -8,7 +8,7 @@ a completion for one agent, and turns the reply back. The backend is either
 - ``RemoteBackend``: a running ``kvshelf serve`` (``base_url=...``), so that several
   processes share one engine and its caches.
 
-Both run the same request code (``kvshelf.completions``: tools rendered into the prompt,
+Both run the same request code (``kvshelf.serving.completions``: tools rendered into the prompt,
 tool calls parsed out, JSON mode, stop strings), so an adapter behaves the same in either
 mode, and both return the same bodies: an OpenAI ``chat.completion`` dict, or a stream
 of ``chat.completion.chunk`` dicts, each with kvshelf's ``kvshelf`` extension (agent,
@@ -24,8 +24,8 @@ from collections.abc import AsyncIterator, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from ..engine import Engine
-from ..errors import KVShelfError
+from kvshelf.errors import KVShelfError
+from kvshelf.runtime.engine import Engine
 
 DEFAULT_MAX_TOKENS = 512
 
@@ -61,8 +61,8 @@ class LocalBackend:
     """Requests served by an ``Engine`` in this process."""
 
     def __init__(self, engine: Engine) -> None:
-        from .. import completions  # pydantic: only needed once an adapter is used
-        from ..openai_api import ApiError, ChatCompletionRequest
+        from kvshelf.serving import completions  # pydantic: only needed once an adapter is used
+        from kvshelf.serving.openai_api import ApiError, ChatCompletionRequest
 
         self.engine = engine
         self.model_name = completions.model_id(engine)
@@ -73,7 +73,7 @@ class LocalBackend:
         try:
             req = self._Request.model_validate(dict(body))
         except Exception as exc:  # pydantic.ValidationError
-            from ..openai_api import validation_error_body
+            from kvshelf.serving.openai_api import validation_error_body
 
             err = validation_error_body(exc.errors()) if hasattr(exc, "errors") else {"error": {"message": str(exc)}}
             raise BackendError(err["error"]["message"], 400, err["error"].get("code")) from None
@@ -155,8 +155,12 @@ class LocalBackend:
             usage = future.result()
         except Exception as exc:
             raise self._error(exc) from exc
-        return {"agent_id": turn.agent_id, "queued": False, "prompt_tokens": usage.prompt_tokens,
-                "cached_tokens": usage.cached_tokens}
+        return {
+            "agent_id": turn.agent_id,
+            "queued": False,
+            "prompt_tokens": usage.prompt_tokens,
+            "cached_tokens": usage.cached_tokens,
+        }
 
     def fork(self, source: str, new_agent: str) -> dict:
         """Start ``new_agent`` from ``source``'s cache, sharing its whole blocks."""
@@ -198,7 +202,9 @@ class RemoteBackend:
         return response.json()
 
     def complete(self, agent_id: str | None, body: Mapping[str, Any]) -> dict:
-        response = self._client.post("/v1/chat/completions", json={**body, "stream": False}, headers=self._headers(agent_id))
+        response = self._client.post(
+            "/v1/chat/completions", json={**body, "stream": False}, headers=self._headers(agent_id)
+        )
         _raise_for(response.status_code, response.content)
         return response.json()
 

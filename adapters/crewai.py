@@ -58,8 +58,8 @@ from crewai.llms.base_llm import BaseLLM, LLMCallBlockedError, llm_call_context
 from crewai.utilities.exceptions.context_window_exceeding_exception import LLMContextLengthExceededError
 from pydantic import BaseModel, Field, PrivateAttr, model_validator
 
-from .backend import Backend, BackendError, connect, merge_chunks
-from .identity import agent_key, fallback_key
+from kvshelf.adapters.backend import Backend, BackendError, connect, merge_chunks
+from kvshelf.adapters.identity import agent_key, fallback_key
 
 logger = logging.getLogger(__name__)
 
@@ -112,8 +112,12 @@ class KVShelfLLM(BaseLLM):
             with _connect_lock:
                 if self._backend is None:
                     self._backend = connect(
-                        self.model, base_url=self.base_url, api_key=self.api_key,
-                        cache_dir=self.cache_dir, budget=self.budget, engine=self.engine,
+                        self.model,
+                        base_url=self.base_url,
+                        api_key=self.api_key,
+                        cache_dir=self.cache_dir,
+                        budget=self.budget,
+                        engine=self.engine,
                     )
         return self._backend
 
@@ -157,14 +161,25 @@ class KVShelfLLM(BaseLLM):
             return super().get_input_tokens_count(messages, tools, response_model)
 
     # -- calls ---------------------------------------------------------------------------
-    def _begin(self, messages: str | list[Any], tools: list[dict[str, Any]] | None, callbacks: list[Any] | None,
-               available_functions: dict[str, Any] | None, from_task: Any, from_agent: Any,
-               response_model: type[BaseModel] | None) -> tuple[list[dict[str, Any]], str, dict[str, Any], bool]:
+    def _begin(
+        self,
+        messages: str | list[Any],
+        tools: list[dict[str, Any]] | None,
+        callbacks: list[Any] | None,
+        available_functions: dict[str, Any] | None,
+        from_task: Any,
+        from_agent: Any,
+        response_model: type[BaseModel] | None,
+    ) -> tuple[list[dict[str, Any]], str, dict[str, Any], bool]:
         """What ``call`` and ``acall`` do before the request: the started event, the
         before-call hooks, the agent and the body (messages, agent id, body, streaming)."""
         self._emit_call_started_event(
-            messages=messages, tools=tools, callbacks=callbacks,
-            available_functions=available_functions, from_task=from_task, from_agent=from_agent,
+            messages=messages,
+            tools=tools,
+            callbacks=callbacks,
+            available_functions=available_functions,
+            from_task=from_task,
+            from_agent=from_agent,
         )
         formatted = self._format_messages(messages)
         self._invoke_before_llm_call_hooks(formatted, from_agent)
@@ -229,8 +244,11 @@ class KVShelfLLM(BaseLLM):
 
     # -- request and reply -----------------------------------------------------------------
     def _body(
-        self, messages: list[Any], tools: list[dict[str, Any]] | None,
-        response_model: type[BaseModel] | None, streaming: bool,
+        self,
+        messages: list[Any],
+        tools: list[dict[str, Any]] | None,
+        response_model: type[BaseModel] | None,
+        streaming: bool,
     ) -> dict[str, Any]:
         body: dict[str, Any] = {**self.additional_params, "model": self.model, "messages": _openai_messages(messages)}
         for name in ("temperature", "top_p", "seed"):
@@ -263,22 +281,37 @@ class KVShelfLLM(BaseLLM):
                 )
             for call in delta.get("tool_calls") or []:
                 self._emit_stream_chunk_event(
-                    chunk=(call.get("function") or {}).get("arguments") or "", from_task=from_task,
-                    from_agent=from_agent, tool_call=call, call_type=LLMCallType.TOOL_CALL,
+                    chunk=(call.get("function") or {}).get("arguments") or "",
+                    from_task=from_task,
+                    from_agent=from_agent,
+                    tool_call=call,
+                    call_type=LLMCallType.TOOL_CALL,
                     response_id=chunk.get("id"),
                 )
         return chunk
 
     def _finish(
-        self, reply: dict, agent: str, messages: list[Any], available_functions: dict[str, Any] | None,
-        from_task: Any, from_agent: Any, response_model: type[BaseModel] | None,
+        self,
+        reply: dict,
+        agent: str,
+        messages: list[Any],
+        available_functions: dict[str, Any] | None,
+        from_task: Any,
+        from_agent: Any,
+        response_model: type[BaseModel] | None,
     ) -> Any:
         usage = reply.get("usage") or None
         if usage:
             self._track_token_usage_internal(usage)
         self._record(agent, from_agent, from_task, reply)
-        done = dict(from_task=from_task, from_agent=from_agent, messages=messages, usage=usage,
-                    finish_reason=reply.get("finish_reason"), response_id=reply.get("id"))
+        done = dict(
+            from_task=from_task,
+            from_agent=from_agent,
+            messages=messages,
+            usage=usage,
+            finish_reason=reply.get("finish_reason"),
+            response_id=reply.get("id"),
+        )
         calls = reply["message"].get("tool_calls") or []
         if calls and not available_functions:
             self._emit_call_completed_event(response=calls, call_type=LLMCallType.TOOL_CALL, **done)
@@ -291,8 +324,11 @@ class KVShelfLLM(BaseLLM):
                 logger.error("kvshelf: tool call %r has arguments that are not JSON", function.get("name"))
                 continue
             result = self._handle_tool_execution(
-                function_name=function.get("name", ""), function_args=args if isinstance(args, dict) else {},
-                available_functions=available_functions or {}, from_task=from_task, from_agent=from_agent,
+                function_name=function.get("name", ""),
+                function_args=args if isinstance(args, dict) else {},
+                available_functions=available_functions or {},
+                from_task=from_task,
+                from_agent=from_agent,
             )
             if result is not None:
                 return result
@@ -304,7 +340,9 @@ class KVShelfLLM(BaseLLM):
             except ValueError as exc:
                 logger.warning("kvshelf: reply is not a valid %s, returned as text: %s", schema.__name__, exc)
             else:
-                self._emit_call_completed_event(response=parsed.model_dump_json(), call_type=LLMCallType.LLM_CALL, **done)
+                self._emit_call_completed_event(
+                    response=parsed.model_dump_json(), call_type=LLMCallType.LLM_CALL, **done
+                )
                 return parsed
         content = self._apply_stop_words(content)
         self._emit_call_completed_event(response=content, call_type=LLMCallType.LLM_CALL, **done)
@@ -312,17 +350,19 @@ class KVShelfLLM(BaseLLM):
 
     def _record(self, agent: str, from_agent: Any, from_task: Any, reply: dict) -> None:
         usage, ext = reply.get("usage") or {}, reply.get("kvshelf") or {}
-        self._turns.append({
-            "agent_id": agent,
-            "role": getattr(from_agent, "role", None),
-            "task": getattr(from_task, "name", None) or getattr(from_task, "description", None),
-            "cache": ext.get("cache"),
-            "ttft_s": ext.get("ttft_s"),
-            "prompt_tokens": usage.get("prompt_tokens", 0),
-            "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0),
-            "completion_tokens": usage.get("completion_tokens", 0),
-            "finish_reason": reply.get("finish_reason"),
-        })
+        self._turns.append(
+            {
+                "agent_id": agent,
+                "role": getattr(from_agent, "role", None),
+                "task": getattr(from_task, "name", None) or getattr(from_task, "description", None),
+                "cache": ext.get("cache"),
+                "ttft_s": ext.get("ttft_s"),
+                "prompt_tokens": usage.get("prompt_tokens", 0),
+                "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0),
+                "completion_tokens": usage.get("completion_tokens", 0),
+                "finish_reason": reply.get("finish_reason"),
+            }
+        )
 
     def _failed(self, exc: Exception, from_task: Any, from_agent: Any) -> Exception:
         message = f"kvshelf call failed: {exc}"
@@ -343,8 +383,13 @@ class KVShelfLLM(BaseLLM):
 def _reply(body: dict) -> dict:
     """A completion body in ``merge_chunks``' shape."""
     choice = body["choices"][0]
-    return {"message": choice["message"], "finish_reason": choice.get("finish_reason"),
-            "usage": body.get("usage"), "kvshelf": body.get("kvshelf"), "id": body.get("id")}
+    return {
+        "message": choice["message"],
+        "finish_reason": choice.get("finish_reason"),
+        "usage": body.get("usage"),
+        "kvshelf": body.get("kvshelf"),
+        "id": body.get("id"),
+    }
 
 
 def _merged(chunks: list[dict]) -> dict:

@@ -17,8 +17,8 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ..agent_id import validate_agent_id
-from ..errors import InvalidAgentId
+from kvshelf.errors import InvalidAgentId
+from kvshelf.storage.agent_id import validate_agent_id
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9._:@-]+")
 

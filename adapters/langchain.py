@@ -43,12 +43,20 @@ from langchain_core.utils.function_calling import convert_to_openai_tool
 from langchain_core.utils.pydantic import is_basemodel_subclass
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, SecretStr
 
-from .backend import Backend, connect
-from .identity import agent_key, fallback_key
+from kvshelf.adapters.backend import Backend, connect
+from kvshelf.adapters.identity import agent_key, fallback_key
 
 # Per-call keyword arguments (``invoke(..., **kw)``, ``bind(**kw)``) sent in the request body.
-_BODY_KWARGS = ("temperature", "max_tokens", "seed", "top_p", "tools", "tool_choice",
-                "parallel_tool_calls", "response_format")
+_BODY_KWARGS = (
+    "temperature",
+    "max_tokens",
+    "seed",
+    "top_p",
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
+    "response_format",
+)
 _METADATA_KEYS = ("agent_id", "lc_agent_name")
 # ``stream()``/``astream()`` call ``_stream`` without a run manager: they hand the identity
 # keys of the call's config metadata down in this keyword argument instead.
@@ -121,7 +129,7 @@ class ChatKVShelf(BaseChatModel):
     streaming: bool = False
     """When True, ``invoke`` streams internally (LangChain's own switch; callbacks get each token)."""
     engine: Any = Field(default=None, exclude=True)
-    """An ``kvshelf.engine.Engine`` the caller owns, used instead of the shared one."""
+    """An ``kvshelf.runtime.engine.Engine`` the caller owns, used instead of the shared one."""
 
     model_config = ConfigDict(populate_by_name=True)
 
@@ -134,8 +142,13 @@ class ChatKVShelf(BaseChatModel):
 
     @property
     def _identifying_params(self) -> dict[str, Any]:
-        return {"model": self.model, "base_url": self.base_url, "temperature": self.temperature,
-                "max_tokens": self.max_tokens, "agent_id": self.agent_id}
+        return {
+            "model": self.model,
+            "base_url": self.base_url,
+            "temperature": self.temperature,
+            "max_tokens": self.max_tokens,
+            "agent_id": self.agent_id,
+        }
 
     def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> Any:
         params = super()._get_ls_params(stop=stop, **kwargs)
@@ -153,12 +166,20 @@ class ChatKVShelf(BaseChatModel):
         """The backend, connected on first use (so constructing a model is cheap)."""
         if self._backend is None:
             key = self.api_key.get_secret_value() if self.api_key else None
-            self._backend = connect(self.model, base_url=self.base_url, api_key=key,
-                                    cache_dir=self.cache_dir, budget=self.budget, engine=self.engine)
+            self._backend = connect(
+                self.model,
+                base_url=self.base_url,
+                api_key=key,
+                cache_dir=self.cache_dir,
+                budget=self.budget,
+                engine=self.engine,
+            )
         return self._backend
 
     # -- requests ------------------------------------------------------------------------
-    def _resolve_agent(self, messages: list[dict], kwargs: Mapping[str, Any], run_metadata: Mapping[str, Any] | None) -> str:
+    def _resolve_agent(
+        self, messages: list[dict], kwargs: Mapping[str, Any], run_metadata: Mapping[str, Any] | None
+    ) -> str:
         if (bound := kwargs.get("agent_id") or self.agent_id) is not None:
             return agent_key(str(bound))
         sources = (run_metadata or {}, kwargs.get(_RUN_METADATA) or {}, ensure_config().get("metadata") or {})
@@ -167,17 +188,26 @@ class ChatKVShelf(BaseChatModel):
                 if value := metadata.get(key):
                     return agent_key(str(value))
         tools = kwargs.get("tools")
-        return fallback_key([*messages, {"role": "system", "content": json.dumps(tools, sort_keys=True)}] if tools else messages)
+        return fallback_key(
+            [*messages, {"role": "system", "content": json.dumps(tools, sort_keys=True)}] if tools else messages
+        )
 
     def _request(
-        self, messages: list[BaseMessage], stop: list[str] | None, kwargs: Mapping[str, Any],
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None,
+        kwargs: Mapping[str, Any],
         run_manager: CallbackManagerForLLMRun | AsyncCallbackManagerForLLMRun | None,
     ) -> tuple[str, dict[str, Any]]:
         """(agent id, OpenAI chat request body) for one call."""
         openai_messages = [_clean(m) for m in convert_to_openai_messages(messages, text_format="string")]
         body: dict[str, Any] = {
-            "messages": openai_messages, "temperature": self.temperature, "max_tokens": self.max_tokens,
-            "seed": self.seed, "top_p": self.top_p, "stop": stop or self.stop or None,
+            "messages": openai_messages,
+            "temperature": self.temperature,
+            "max_tokens": self.max_tokens,
+            "seed": self.seed,
+            "top_p": self.top_p,
+            "stop": stop or self.stop or None,
         }
         body.update({k: kwargs[k] for k in _BODY_KWARGS if k in kwargs})
         body = {k: v for k, v in body.items() if v is not None}
@@ -185,35 +215,52 @@ class ChatKVShelf(BaseChatModel):
         return self._resolve_agent(openai_messages, kwargs, run_metadata), body
 
     def _generate(
-        self, messages: list[BaseMessage], stop: list[str] | None = None,
-        run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any,
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: CallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
     ) -> ChatResult:
         agent, body = self._request(messages, stop, kwargs, run_manager)
         return _chat_result(self.backend.complete(agent, body))
 
     async def _agenerate(
-        self, messages: list[BaseMessage], stop: list[str] | None = None,
-        run_manager: AsyncCallbackManagerForLLMRun | None = None, **kwargs: Any,
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: AsyncCallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
     ) -> ChatResult:
         agent, body = self._request(messages, stop, kwargs, run_manager)
         return _chat_result(await self.backend.acomplete(agent, body))
 
     def stream(
-        self, input: LanguageModelInput, config: RunnableConfig | None = None, *,
-        stop: list[str] | None = None, **kwargs: Any,
+        self,
+        input: LanguageModelInput,
+        config: RunnableConfig | None = None,
+        *,
+        stop: list[str] | None = None,
+        **kwargs: Any,
     ) -> Iterator[AIMessageChunk]:
         yield from super().stream(input, config, stop=stop, **_with_run_metadata(config, kwargs))
 
     async def astream(
-        self, input: LanguageModelInput, config: RunnableConfig | None = None, *,
-        stop: list[str] | None = None, **kwargs: Any,
+        self,
+        input: LanguageModelInput,
+        config: RunnableConfig | None = None,
+        *,
+        stop: list[str] | None = None,
+        **kwargs: Any,
     ) -> AsyncIterator[AIMessageChunk]:
         async for chunk in super().astream(input, config, stop=stop, **_with_run_metadata(config, kwargs)):
             yield chunk
 
     def _stream(
-        self, messages: list[BaseMessage], stop: list[str] | None = None,
-        run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any,
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: CallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
     ) -> Iterator[ChatGenerationChunk]:
         agent, body = self._request(messages, stop, kwargs, run_manager)
         body["stream_options"] = {"include_usage": True}
@@ -227,8 +274,11 @@ class ChatKVShelf(BaseChatModel):
             chunks.close()  # type: ignore[attr-defined]  # stops the request if we were abandoned
 
     async def _astream(
-        self, messages: list[BaseMessage], stop: list[str] | None = None,
-        run_manager: AsyncCallbackManagerForLLMRun | None = None, **kwargs: Any,
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: AsyncCallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
     ) -> AsyncIterator[ChatGenerationChunk]:
         agent, body = self._request(messages, stop, kwargs, run_manager)
         body["stream_options"] = {"include_usage": True}
@@ -247,9 +297,7 @@ class ChatKVShelf(BaseChatModel):
         finally:
             await chunks.aclose()  # type: ignore[attr-defined]
 
-    def get_num_tokens_from_messages(
-        self, messages: list[BaseMessage], tools: Sequence[Any] | None = None
-    ) -> int:
+    def get_num_tokens_from_messages(self, messages: list[BaseMessage], tools: Sequence[Any] | None = None) -> int:
         """Prompt tokens as the model will see them (chat template and tools included)."""
         body: dict[str, Any] = {"messages": [_clean(m) for m in convert_to_openai_messages(messages)]}
         if tools:
@@ -296,8 +344,10 @@ class ChatKVShelf(BaseChatModel):
             raise ValueError(f"Unexpected arguments: {sorted(kwargs)}")
         is_pydantic = isinstance(schema, type) and is_basemodel_subclass(schema)
         if method == "json_mode":
-            llm = self.bind(response_format={"type": "json_object"},
-                            ls_structured_output_format={"kwargs": {"method": method}, "schema": schema})
+            llm = self.bind(
+                response_format={"type": "json_object"},
+                ls_structured_output_format={"kwargs": {"method": method}, "schema": schema},
+            )
             parser: Runnable = PydanticOutputParser(pydantic_object=schema) if is_pydantic else JsonOutputParser()  # type: ignore[arg-type]
         else:
             if schema is None:
@@ -305,14 +355,28 @@ class ChatKVShelf(BaseChatModel):
             function = convert_to_openai_tool(schema, strict=strict)["function"]
             structured = {"kwargs": {"method": method, "strict": strict}, "schema": convert_to_openai_tool(schema)}
             if method == "function_calling":
-                llm = self.bind_tools([schema], tool_choice=function["name"], parallel_tool_calls=False, strict=strict,
-                                      ls_structured_output_format=structured)
-                parser = (PydanticToolsParser(tools=[schema], first_tool_only=True) if is_pydantic  # type: ignore[list-item]
-                          else JsonOutputKeyToolsParser(key_name=function["name"], first_tool_only=True))
+                llm = self.bind_tools(
+                    [schema],
+                    tool_choice=function["name"],
+                    parallel_tool_calls=False,
+                    strict=strict,
+                    ls_structured_output_format=structured,
+                )
+                parser = (
+                    PydanticToolsParser(tools=[schema], first_tool_only=True)
+                    if is_pydantic  # type: ignore[list-item]
+                    else JsonOutputKeyToolsParser(key_name=function["name"], first_tool_only=True)
+                )
             elif method == "json_schema":
-                response_format = {"type": "json_schema", "json_schema": {
-                    "name": function["name"], "description": function.get("description"),
-                    "schema": function.get("parameters", {}), "strict": strict}}
+                response_format = {
+                    "type": "json_schema",
+                    "json_schema": {
+                        "name": function["name"],
+                        "description": function.get("description"),
+                        "schema": function.get("parameters", {}),
+                        "strict": strict,
+                    },
+                }
                 llm = self.bind(response_format=response_format, ls_structured_output_format=structured)
                 parser = PydanticOutputParser(pydantic_object=schema) if is_pydantic else JsonOutputParser()  # type: ignore[arg-type]
             else:
@@ -357,8 +421,10 @@ def _usage(usage: Mapping[str, Any] | None) -> UsageMetadata | None:
         return None
     cached = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
     return UsageMetadata(
-        input_tokens=int(usage["prompt_tokens"]), output_tokens=int(usage["completion_tokens"]),
-        total_tokens=int(usage["total_tokens"]), input_token_details=InputTokenDetails(cache_read=cached),
+        input_tokens=int(usage["prompt_tokens"]),
+        output_tokens=int(usage["completion_tokens"]),
+        total_tokens=int(usage["total_tokens"]),
+        input_token_details=InputTokenDetails(cache_read=cached),
     )
 
 
@@ -376,16 +442,24 @@ def _ai_message(message: Mapping[str, Any], usage: UsageMetadata | None, metadat
             tool_calls.append(parse_tool_call(raw, return_id=True))
         except Exception as exc:  # OutputParserException: arguments that are not a JSON object
             invalid.append(make_invalid_tool_call(raw, str(exc)))
-    return AIMessage(content=message.get("content") or "", tool_calls=tool_calls, invalid_tool_calls=invalid,
-                     usage_metadata=usage, response_metadata=metadata, id=id_)
+    return AIMessage(
+        content=message.get("content") or "",
+        tool_calls=tool_calls,
+        invalid_tool_calls=invalid,
+        usage_metadata=usage,
+        response_metadata=metadata,
+        id=id_,
+    )
 
 
 def _chat_result(body: Mapping[str, Any]) -> ChatResult:
     choice = body["choices"][0]
     metadata = _metadata(body.get("model"), choice.get("finish_reason"), body.get("kvshelf"))
     message = _ai_message(choice["message"], _usage(body.get("usage")), metadata, body.get("id"))
-    return ChatResult(generations=[ChatGeneration(message=message, generation_info={"finish_reason": choice.get("finish_reason")})],
-                      llm_output={"model_name": body.get("model"), "kvshelf": body.get("kvshelf")})
+    return ChatResult(
+        generations=[ChatGeneration(message=message, generation_info={"finish_reason": choice.get("finish_reason")})],
+        llm_output={"model_name": body.get("model"), "kvshelf": body.get("kvshelf")},
+    )
 
 
 class _ChunkConverter:
@@ -411,17 +485,28 @@ class _ChunkConverter:
             delta = choice.get("delta") or {}
             content = delta.get("content") or ""
             calls = [
-                tool_call_chunk(name=(c.get("function") or {}).get("name"), args=(c.get("function") or {}).get("arguments"),
-                                id=c.get("id"), index=c.get("index"))
+                tool_call_chunk(
+                    name=(c.get("function") or {}).get("name"),
+                    args=(c.get("function") or {}).get("arguments"),
+                    id=c.get("id"),
+                    index=c.get("index"),
+                )
                 for c in delta.get("tool_calls") or []
             ]
             if content or calls:
-                out.append(ChatGenerationChunk(message=AIMessageChunk(content=content, tool_call_chunks=calls, id=self.id)))
+                out.append(
+                    ChatGenerationChunk(message=AIMessageChunk(content=content, tool_call_chunks=calls, id=self.id))
+                )
         return out
 
     def finish(self) -> list[ChatGenerationChunk]:
-        message = AIMessageChunk(content="", usage_metadata=_usage(self.usage), id=self.id, chunk_position="last",
-                                 response_metadata=_metadata(self.model, self.finish_reason, self.ext))
+        message = AIMessageChunk(
+            content="",
+            usage_metadata=_usage(self.usage),
+            id=self.id,
+            chunk_position="last",
+            response_metadata=_metadata(self.model, self.finish_reason, self.ext),
+        )
         return [ChatGenerationChunk(message=message, generation_info={"finish_reason": self.finish_reason})]
 
 

@@ -1,4 +1,4 @@
-"""What the benchmark scripts share: ``kvshelf.bench``'s helpers, and JSON output into
+"""What the benchmark scripts share: ``kvbench``'s helpers, and JSON output into
 ``benchmarks/results/`` with a description of the machine."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import time
 from pathlib import Path
 
 import kvshelf  # noqa: F401  (OpenBLAS before mlx)
-from kvshelf.bench.common import drop_from_page_cache, prompt_of_tokens  # noqa: F401  (re-exported)
-from kvshelf.bench.machine import describe
+from kvbench.common import drop_from_page_cache, prompt_of_tokens  # noqa: F401  (re-exported)
+from kvbench.machine import describe
 
 RESULTS = Path(__file__).parent / "results"
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from common import drop_from_page_cache, prompt_of_tokens, write_json
 
-from kvshelf.engine import ChatResult, Engine
+from kvshelf.runtime.engine import ChatResult, Engine
 
 
 def messages(engine: Engine, i: int) -> list[dict]:
@@ -56,8 +56,12 @@ def throughput(engine: Engine, counts: list[int], tokens: int) -> list[dict]:
         seq_s = time.perf_counter() - t
         results: dict = {}
         t = time.perf_counter()
-        run_threads([(lambda a, m: results.__setitem__(a, engine.chat(a, m, max_tokens=tokens)), (a, m))
-                     for a, m in agents.items()])
+        run_threads(
+            [
+                (lambda a, m: results.__setitem__(a, engine.chat(a, m, max_tokens=tokens)), (a, m))
+                for a, m in agents.items()
+            ]
+        )
         con_s = time.perf_counter() - t
         seq_tokens = sum(r.usage.completion_tokens for r in seq)
         con_tokens = sum(r.usage.completion_tokens for r in results.values())
@@ -70,8 +74,11 @@ def throughput(engine: Engine, counts: list[int], tokens: int) -> list[dict]:
             "tokens": con_tokens,
             "identical_outputs": same,
         }
-        print(f"{n} agents: one by one {row['sequential_tok_s']:.2f} tok/s, batched {row['concurrent_tok_s']:.2f} "
-              f"tok/s ({row['speedup']:.2f}x), identical outputs: {same}", flush=True)
+        print(
+            f"{n} agents: one by one {row['sequential_tok_s']:.2f} tok/s, batched {row['concurrent_tok_s']:.2f} "
+            f"tok/s ({row['speedup']:.2f}x), identical outputs: {same}",
+            flush=True,
+        )
         rows.append(row)
         for aid in agents:
             engine.forget(aid)
@@ -112,8 +119,9 @@ def hidden_io(engine: Engine, tokens: int) -> dict:
     # the same 3 decoding while "late" is restored from disk and answers
     drop_from_page_cache(engine.store.path_for("late"))
     stamps, results = {}, {}
-    threads = [threading.Thread(target=timed_stream, args=(engine, a, m, tokens, stamps, results))
-               for a, m in decoders.items()]
+    threads = [
+        threading.Thread(target=timed_stream, args=(engine, a, m, tokens, stamps, results)) for a, m in decoders.items()
+    ]
     for t in threads:
         t.start()
     while min((len(stamps.get(a, [])) for a in decoders), default=0) < 4:
@@ -162,8 +170,10 @@ def main() -> None:
     print("| agents | one by one tok/s | batched tok/s | speedup | identical outputs |")
     print("|---|---|---|---|---|")
     for r in result["throughput"]:
-        print(f"| {r['agents']} | {r['sequential_tok_s']:.2f} | {r['concurrent_tok_s']:.2f} | "
-              f"{r['speedup']:.2f}x | {r['identical_outputs']} |")
+        print(
+            f"| {r['agents']} | {r['sequential_tok_s']:.2f} | {r['concurrent_tok_s']:.2f} | "
+            f"{r['speedup']:.2f}x | {r['identical_outputs']} |"
+        )
     print(f"wrote {path}")
 
 

@@ -48,8 +48,11 @@ def main() -> None:
             o = crash_once(model, cache, ledger, seed=args.seed * 100_000 + i, mode=mode)
             outcomes.append(o)
             states = " ".join(f"{a[-1]}={s}" for a, s in o.records.items())
-            print(f"round {i + 1:3d} {mode:9s} acked {o.ops_acked:3d}  in flight: {o.in_flight or '-':16s} "
-                  f"temp left: {o.temp_files_left}  {states}  {'OK' if not o.failures else o.failures}", flush=True)
+            print(
+                f"round {i + 1:3d} {mode:9s} acked {o.ops_acked:3d}  in flight: {o.in_flight or '-':16s} "
+                f"temp left: {o.temp_files_left}  {states}  {'OK' if not o.failures else o.failures}",
+                flush=True,
+            )
         restored = warm_restore_check(model, cache, ledger)
         elapsed = time.perf_counter() - t0
 
@@ -68,8 +71,9 @@ def main() -> None:
     print("\n" + "\n".join(f"{k}: {v}" for k, v in summary.items()))
     if failures:
         print("FAILURES:\n  " + "\n  ".join(failures))
-    path = write_json("crash", {"summary": summary, "failure_messages": failures,
-                                "rounds": [asdict(o) for o in outcomes]})
+    path = write_json(
+        "crash", {"summary": summary, "failure_messages": failures, "rounds": [asdict(o) for o in outcomes]}
+    )
     print(f"wrote {path}")
     sys.exit(1 if failures or set(restored.values()) - {"warm"} else 0)
 

@@ -39,8 +39,24 @@ import httpx
 from common import write_json
 
 MARKER = "zq-load-marker"  # in every prompt; must never show up in the server's log
-TOPICS = ["rivers", "glaciers", "compilers", "bread", "chess openings", "tides", "orchids", "bridges",
-          "volcanoes", "jazz", "lichens", "satellites", "sourdough", "canals", "owls", "tax law"]
+TOPICS = [
+    "rivers",
+    "glaciers",
+    "compilers",
+    "bread",
+    "chess openings",
+    "tides",
+    "orchids",
+    "bridges",
+    "volcanoes",
+    "jazz",
+    "lichens",
+    "satellites",
+    "sourdough",
+    "canals",
+    "owls",
+    "tax law",
+]
 
 
 def free_port() -> int:
@@ -85,8 +101,10 @@ class Client(threading.Thread):
     def history(self, aid: str) -> list[dict]:
         if aid not in self.histories or len(self.histories[aid]) > 14:  # start over when it gets long
             topic = self.rng.choice(TOPICS)
-            system = (f"You are agent {aid} ({MARKER}), a patient expert on {topic}. "
-                      + f"You answer in short, plain sentences and remember what was said about {topic}. " * 6)
+            system = (
+                f"You are agent {aid} ({MARKER}), a patient expert on {topic}. "
+                + f"You answer in short, plain sentences and remember what was said about {topic}. " * 6
+            )
             self.histories[aid] = [{"role": "system", "content": system}]
         return self.histories[aid]
 
@@ -113,8 +131,9 @@ class Client(threading.Thread):
 
     def turn(self, http: httpx.Client, ephemeral: bool) -> None:
         aid = self.rng.choice(self.agents)
-        messages = self.history(aid) + [{"role": "user", "content": f"({MARKER}) Tell me one more thing, "
-                                                                     f"number {self.rng.randint(1, 999)}."}]
+        messages = self.history(aid) + [
+            {"role": "user", "content": f"({MARKER}) Tell me one more thing, number {self.rng.randint(1, 999)}."}
+        ]
         body = {"model": "x", "messages": messages, "max_tokens": self.rng.randint(8, 40), "temperature": 0.7}
         headers = {} if ephemeral else {"X-Agent-Id": aid}
         stream = self.rng.random() < 0.5
@@ -187,7 +206,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
 
-    from kvshelf.pool import parse_bytes
+    from kvshelf.runtime.pool import parse_bytes
 
     budget = parse_bytes(args.budget)
     tmp = tempfile.TemporaryDirectory(prefix="kvshelf-load-")
@@ -196,9 +215,22 @@ def main() -> None:
     url = f"http://127.0.0.1:{port}"
     log_file = open(log_path, "w")
     server = subprocess.Popen(
-        [sys.executable, "-m", "kvshelf.cli", "serve", "--model", args.model, "--cache-dir", str(cache_dir),
-         "--budget", args.budget, "--port", str(port)],
-        stdout=log_file, stderr=subprocess.STDOUT,
+        [
+            sys.executable,
+            "-m",
+            "kvshelf.cli",
+            "serve",
+            "--model",
+            args.model,
+            "--cache-dir",
+            str(cache_dir),
+            "--budget",
+            args.budget,
+            "--port",
+            str(port),
+        ],
+        stdout=log_file,
+        stderr=subprocess.STDOUT,
     )
     t_start = time.monotonic()
     while True:
@@ -211,8 +243,10 @@ def main() -> None:
             time.sleep(0.2)
     startup_s = time.monotonic() - t_start
     idle_rss = rss_kib(server.pid) * 1024
-    print(f"server up in {startup_s:.1f}s, RSS {idle_rss / 1e6:.0f} MB; {args.clients} clients for {args.duration:.0f}s",
-          flush=True)
+    print(
+        f"server up in {startup_s:.1f}s, RSS {idle_rss / 1e6:.0f} MB; {args.clients} clients for {args.duration:.0f}s",
+        flush=True,
+    )
 
     stats = Stats()
     deadline = time.monotonic() + args.duration
@@ -226,8 +260,11 @@ def main() -> None:
         samples.append((time.monotonic() - t0, rss_kib(server.pid) * 1024))
         if len(samples) % 30 == 0:
             served = sum(stats.kinds.values())
-            print(f"{samples[-1][0]:6.0f}s  served {served:5d}  errors {len(stats.errors)}  "
-                  f"RSS {samples[-1][1] / 1e6:.0f} MB", flush=True)
+            print(
+                f"{samples[-1][0]:6.0f}s  served {served:5d}  errors {len(stats.errors)}  "
+                f"RSS {samples[-1][1] / 1e6:.0f} MB",
+                flush=True,
+            )
         time.sleep(1)
     wall = time.monotonic() - t0
     agents = httpx.get(url + "/v1/agents", timeout=60).json()["data"]
@@ -241,7 +278,7 @@ def main() -> None:
     log = log_path.read_text()
     clean_exit = server.returncode in (0, -signal.SIGTERM) and "Application shutdown complete" in log
 
-    from kvshelf.engine import Engine
+    from kvshelf.runtime.engine import Engine
 
     check = Engine(model=args.model, cache_dir=cache_dir, progress=False)
     ids = check.store.agent_ids()
@@ -254,8 +291,11 @@ def main() -> None:
     tmp.cleanup()
 
     peak = max(b for _, b in samples)
-    per_minute = [max(b for t, b in samples if m * 60 <= t < (m + 1) * 60) for m in range(int(wall // 60) + 1)
-                  if any(m * 60 <= t < (m + 1) * 60 for t, _ in samples)]
+    per_minute = [
+        max(b for t, b in samples if m * 60 <= t < (m + 1) * 60)
+        for m in range(int(wall // 60) + 1)
+        if any(m * 60 <= t < (m + 1) * 60 for t, _ in samples)
+    ]
     served = sum(stats.kinds.values())
     result = {
         "model": args.model,
@@ -266,10 +306,16 @@ def main() -> None:
         "cache_sources": dict(stats.cache_sources),
         "errors": len(stats.errors),
         "error_samples": stats.errors[:20],
-        "ttft_client_stream_s": {"p50": percentile(stats.ttft_client, 0.5), "p99": percentile(stats.ttft_client, 0.99),
-                                 "n": len(stats.ttft_client)},
-        "ttft_server_s": {"p50": percentile(stats.ttft_server, 0.5), "p99": percentile(stats.ttft_server, 0.99),
-                          "mean": statistics.fmean(stats.ttft_server) if stats.ttft_server else None},
+        "ttft_client_stream_s": {
+            "p50": percentile(stats.ttft_client, 0.5),
+            "p99": percentile(stats.ttft_client, 0.99),
+            "n": len(stats.ttft_client),
+        },
+        "ttft_server_s": {
+            "p50": percentile(stats.ttft_server, 0.5),
+            "p99": percentile(stats.ttft_server, 0.99),
+            "mean": statistics.fmean(stats.ttft_server) if stats.ttft_server else None,
+        },
         "budget_bytes": budget,
         "rss_idle_bytes": idle_rss,
         "rss_peak_bytes": peak,

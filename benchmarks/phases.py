@@ -1,5 +1,5 @@
 """The 5-phase scenario three ways: cold, persistent caches, and persistent caches with
-a shared preamble and prefill ahead (see ``kvshelf.bench.phases``).
+a shared preamble and prefill ahead (see ``kvbench.phases``).
 
     python benchmarks/phases.py [--quick] [--model embedded] [--max-tokens N]
 """
@@ -12,7 +12,7 @@ from pathlib import Path
 
 from common import write_json
 
-from kvshelf.bench.phases import run
+from kvbench.phases import run
 
 
 def main() -> None:

@@ -1,5 +1,5 @@
 """Cold, warm (from disk) and hot (in RAM) time to first token: the TTFT section of
-``kvshelf bench`` on its own (see ``kvshelf.bench.ttft`` for the method).
+``kvshelf bench`` on its own (see ``kvbench.ttft`` for the method).
 
     python benchmarks/ttft.py [--sizes 1024 2048 4096 8192 16384] [--runs 2] [--model embedded]
 
@@ -12,8 +12,8 @@ import argparse
 import time
 from pathlib import Path
 
-from kvshelf.bench.runner import run
-from kvshelf.bench.settings import Settings
+from kvbench.runner import run
+from kvbench.settings import Settings
 
 
 def main() -> None:
@@ -23,8 +23,13 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="warm and hot samples per agent")
     parser.add_argument("--model", default="embedded")
     args = parser.parse_args()
-    settings = Settings(sections=("ttft",), ttft_sizes=tuple(args.sizes), ttft_cold_runs=args.runs,
-                        ttft_cold_runs_large=args.runs, ttft_repeats=args.repeats)
+    settings = Settings(
+        sections=("ttft",),
+        ttft_sizes=tuple(args.sizes),
+        ttft_cold_runs=args.runs,
+        ttft_cold_runs_large=args.runs,
+        ttft_repeats=args.repeats,
+    )
     out = Path(__file__).parent / "results" / f"ttft-{time.strftime('%Y%m%d-%H%M%S')}"
     print(f"wrote {run(settings, args.model, out)}")
 

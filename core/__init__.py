@@ -1,10 +1,10 @@
 """kvshelf: every LLM agent keeps its own persistent 4-bit KV cache.
 
-Importing kvshelf first preloads OpenBLAS on Linux (see ``kvshelf._blas``) so that
+Importing kvshelf first preloads OpenBLAS on Linux (see ``kvshelf.model.blas``) so that
 MLX's CPU backend does not fall back to the slow reference BLAS.
 """
 
-from ._blas import load_openblas
+from kvshelf.model.blas import load_openblas
 
 load_openblas()
 

@@ -16,6 +16,9 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["bench"]:  # every option after it belongs to benchmarks/bench.py
+        return _bench(argv[1:])
     parser = argparse.ArgumentParser(prog="kvshelf", description="Persistent per-agent Q4 KV caches on MLX")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -36,18 +39,13 @@ def main(argv: list[str] | None = None) -> int:
         "(default: $KVSHELF_API_KEY, which keeps the key out of the process list)",
     )
 
-    bench = sub.add_parser("bench", help="measure TTFT, capacity, quality, routing and the peer; write a report "
-                           "(needs kvshelf[bench])")
-    mode = bench.add_mutually_exclusive_group()
-    mode.add_argument("--quick", action="store_true", help="a smoke run: smaller sizes (< 15 min on 2 cores)")
-    mode.add_argument("--full", action="store_true", help="adds 32K prompts, more schemes and rounds (hours)")
-    bench.add_argument("--model", default="embedded", help="'embedded', an mlx-lm model dir, or a HF repo id")
-    bench.add_argument("--out", type=Path, default=None, help="report directory (default: benchmarks/results/<date>)")
-    bench.add_argument("--sections", default=None, help="comma-separated subset of: "
-                       "ttft,capacity,quality,routing,phases,peer")
-    bench.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
-                       help="override one setting (see kvshelf.bench.settings), e.g. ttft_sizes=1024,2048")
-    bench.add_argument("--work-dir", type=Path, default=None, help="scratch directory, kept (default: a temp dir)")
+    bench = sub.add_parser(
+        "bench",
+        help="measure TTFT, capacity, quality, routing and the peer; write a report "
+        "(runs benchmarks/bench.py from a source checkout; needs kvshelf[bench])",
+        add_help=False,
+    )
+    bench.add_argument("options", nargs="*", help="see benchmarks/bench.py --help")
 
     sub.add_parser("convert", help="convert the embedded GGUF model now (it is otherwise done on first use)")
 
@@ -58,26 +56,31 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
 
     if args.command == "demo":
-        from .demo import run_demo
+        from kvshelf.demo import run_demo
 
         run_demo(args.model, args.cache_dir, args.turns, args.max_tokens, args.budget, args.fresh)
     elif args.command == "serve":
         try:
-            from .server import serve as run_server
+            from kvshelf.serving.server import serve as run_server
         except ImportError as exc:
             print(f"kvshelf serve needs the server extra: pip install 'kvshelf[server]' ({exc})", file=sys.stderr)
             return 2
         run_server(
-            args.model, cache_dir=args.cache_dir, budget=args.budget, host=args.host, port=args.port, api_key=args.api_key
+            args.model,
+            cache_dir=args.cache_dir,
+            budget=args.budget,
+            host=args.host,
+            port=args.port,
+            api_key=args.api_key,
         )
     elif args.command == "bench":
-        return _bench(args)
+        return _bench(args.options)
     elif args.command == "convert":
-        from .embedded import embedded_model_dir
+        from kvshelf.model.embedded import embedded_model_dir
 
         print(embedded_model_dir(progress=True))
     elif args.command == "agents":
-        from .engine import Engine
+        from kvshelf.runtime.engine import Engine
 
         engine = Engine(args.model, args.cache_dir, args.budget)
         for a in engine.agents():
@@ -85,26 +88,28 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _bench(args: argparse.Namespace) -> int:
-    try:
-        from .bench.runner import run as run_bench
-        from .bench.settings import MODES, with_overrides
-    except ImportError as exc:
-        print(f"kvshelf bench needs the bench extra: pip install 'kvshelf[bench]' ({exc})", file=sys.stderr)
-        return 2
-    import time
+def _bench(options: list[str]) -> int:
+    """The benchmarks live in the source tree, not in the installed runtime package."""
+    import subprocess
 
-    settings = MODES["quick" if args.quick else "full" if args.full else "default"]
-    overrides = list(args.set) + ([f"sections={args.sections}"] if args.sections else [])
-    try:
-        settings = with_overrides(settings, overrides)
-    except ValueError as exc:
-        print(f"kvshelf bench: {exc}", file=sys.stderr)
+    script = find_bench_script()
+    if script is None:
+        print(
+            "kvshelf bench runs benchmarks/bench.py from a source checkout of kvshelf; "
+            "run it from the checkout (pip install -e '.[bench]')",
+            file=sys.stderr,
+        )
         return 2
-    out = args.out or Path("benchmarks") / "results" / time.strftime("%Y-%m-%d-%H%M")
-    report = run_bench(settings, args.model, out, args.work_dir)
-    print(f"wrote {report}")
-    return 0
+    return subprocess.call([sys.executable, str(script), *options])
+
+
+def find_bench_script() -> Path | None:
+    """``benchmarks/bench.py`` of the checkout this package runs from, else of the current directory."""
+    for root in (Path(__file__).resolve().parent.parent, Path.cwd()):
+        script = root / "benchmarks" / "bench.py"
+        if script.is_file():
+            return script
+    return None
 
 
 if __name__ == "__main__":

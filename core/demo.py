@@ -15,7 +15,7 @@ import json
 import time
 from pathlib import Path
 
-from .engine import ChatResult, Engine
+from kvshelf.runtime.engine import ChatResult, Engine
 
 TOPIC = """\
 Briefing for the Millbrook town council, spring session.

@@ -23,11 +23,11 @@ import os
 from pathlib import Path
 
 import httpx
-import kvshelf  # noqa: F401  (before MLX, for OpenBLAS)
 from autogen_agentchat.agents import AssistantAgent
 from autogen_agentchat.messages import TextMessage
 from autogen_agentchat.teams import RoundRobinGroupChat
 
+import kvshelf  # noqa: F401  (before MLX, for OpenBLAS)
 from kvshelf.adapters.autogen import KVShelfChatCompletionClient
 from kvshelf.adapters.backend import shared_engine
 from kvshelf.paths import kvshelf_home
@@ -35,7 +35,9 @@ from kvshelf.paths import kvshelf_home
 PREFIX = "autogen-team-"
 AGENTS = {
     "planner": "You are the planner of a small town council team. Propose one concrete next step, in two sentences.",
-    "critic": "You are the critic of a small town council team. Name the main risk of the last proposal, in two sentences.",
+    "critic": (
+        "You are the critic of a small town council team. Name the main risk of the last proposal, in two sentences."
+    ),
     "writer": "You are the writer of a small town council team. Sum up what was agreed so far, in two sentences.",
 }
 BRIEFING = """\
@@ -67,8 +69,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--model", default="embedded", help="in-process model (default: embedded Gemma 3 270M)")
     parser.add_argument("--rounds", type=int, default=2, help="rounds per run (each agent speaks once a round)")
     parser.add_argument("--max-tokens", type=int, default=40)
-    parser.add_argument("--state", type=Path, default=kvshelf_home() / "examples" / "autogen_team.json",
-                        help="where the team's conversation is kept between runs")
+    parser.add_argument(
+        "--state",
+        type=Path,
+        default=kvshelf_home() / "examples" / "autogen_team.json",
+        help="where the team's conversation is kept between runs",
+    )
     parser.add_argument("--fresh", action="store_true", help="forget the saved conversation and start over")
     return parser.parse_args()
 
@@ -92,8 +98,9 @@ def forget_agents(args: argparse.Namespace) -> None:
 async def main() -> None:
     args = parse_args()
     # agent_prefix keeps these agents apart from others with the same names (kvshelf demo's planner)
-    client = KVShelfChatCompletionClient(args.model, base_url=args.base_url, api_key=args.api_key,
-                                         max_tokens=args.max_tokens, agent_prefix=PREFIX)
+    client = KVShelfChatCompletionClient(
+        args.model, base_url=args.base_url, api_key=args.api_key, max_tokens=args.max_tokens, agent_prefix=PREFIX
+    )
     agents = [AssistantAgent(name, model_client=client, system_message=system) for name, system in AGENTS.items()]
     team = RoundRobinGroupChat(agents, max_turns=args.rounds * len(agents))
 
@@ -116,14 +123,18 @@ async def main() -> None:
         turn = client.last_turn  # the team runs one agent at a time: this agent's call
         assert turn is not None and turn.agent_id == PREFIX + message.source
         reply = " ".join(message.content.split())
-        print(f"{message.source:<8} {turn.cache:<5} {turn.cached_tokens:>6}/{turn.prompt_tokens:<7} "
-              f"{turn.ttft_s:>7.2f}s  {reply[:70]!r}")
+        print(
+            f"{message.source:<8} {turn.cache:<5} {turn.cached_tokens:>6}/{turn.prompt_tokens:<7} "
+            f"{turn.ttft_s:>7.2f}s  {reply[:70]!r}"
+        )
 
     args.state.parent.mkdir(parents=True, exist_ok=True)
     args.state.write_text(json.dumps({"run": run, "team": await team.save_state()}))
     usage = client.total_usage()
-    print(f"\nusage: {usage.prompt_tokens} prompt + {usage.completion_tokens} completion tokens; "
-          f"{sum(t.cached_tokens for t in client.turns)} prompt tokens came from the agents' caches.")
+    print(
+        f"\nusage: {usage.prompt_tokens} prompt + {usage.completion_tokens} completion tokens; "
+        f"{sum(t.cached_tokens for t in client.turns)} prompt tokens came from the agents' caches."
+    )
     print("Run again to continue: each agent's first turn comes back warm, restored from disk.")
     await client.close()
 

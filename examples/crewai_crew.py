@@ -74,23 +74,33 @@ def main() -> None:
     parser.add_argument("--fresh", action="store_true", help="forget the crew's agents before running")
     args = parser.parse_args()
 
-    import kvshelf  # noqa: F401  (OpenBLAS before MLX)
     from crewai import Agent, Crew, Process, Task
 
+    import kvshelf  # noqa: F401  (OpenBLAS before MLX)
     from kvshelf.adapters.crewai import KVShelfLLM
 
-    llm = KVShelfLLM(model=args.model, base_url=args.base_url, api_key=args.api_key,
-                     cache_dir=args.cache_dir, max_tokens=args.max_tokens)
+    llm = KVShelfLLM(
+        model=args.model,
+        base_url=args.base_url,
+        api_key=args.api_key,
+        cache_dir=args.cache_dir,
+        max_tokens=args.max_tokens,
+    )
     agents = {
-        name: Agent(**spec, llm=llm, max_iter=1, allow_delegation=False, verbose=False)
-        for name, spec in AGENTS.items()
+        name: Agent(**spec, llm=llm, max_iter=1, allow_delegation=False, verbose=False) for name, spec in AGENTS.items()
     }
     tasks = [
         Task(name=f"{who}-{i // 3 + 1}", description=text, expected_output=expected, agent=agents[who])
         for i, (who, text, expected) in enumerate(TASKS)
     ]
-    crew = Crew(agents=list(agents.values()), tasks=tasks, process=Process.sequential,
-                planning=False, memory=False, verbose=False)
+    crew = Crew(
+        agents=list(agents.values()),
+        tasks=tasks,
+        process=Process.sequential,
+        planning=False,
+        memory=False,
+        verbose=False,
+    )
 
     if args.fresh:
         forget(llm, [llm.agent_id_for(agent) for agent in agents.values()])
@@ -102,11 +112,15 @@ def main() -> None:
     print(f"\nkvshelf model {llm.backend.model_name} ({'remote ' + args.base_url if args.base_url else 'in process'})")
     print(f"{'#':>2}  {'task':<13} {'agent id':<48} {'cache':<5} {'cached/prompt':>13} {'TTFT':>7}")
     for i, turn in enumerate(llm.turns, 1):
-        print(f"{i:>2}  {str(turn['task'])[:13]:<13} {turn['agent_id'][:48]:<48} {turn['cache']:<5} "
-              f"{turn['cached_tokens']:>6}/{turn['prompt_tokens']:<6} {turn['ttft_s']:>6.2f}s")
+        print(
+            f"{i:>2}  {str(turn['task'])[:13]:<13} {turn['agent_id'][:48]:<48} {turn['cache']:<5} "
+            f"{turn['cached_tokens']:>6}/{turn['prompt_tokens']:<6} {turn['ttft_s']:>6.2f}s"
+        )
     usage = llm.get_token_usage_summary()
-    print(f"crew: {len(llm.turns)} calls in {elapsed:.1f}s; prompt tokens {usage.prompt_tokens}, "
-          f"of which reused from the agents' caches {usage.cached_prompt_tokens}")
+    print(
+        f"crew: {len(llm.turns)} calls in {elapsed:.1f}s; prompt tokens {usage.prompt_tokens}, "
+        f"of which reused from the agents' caches {usage.cached_prompt_tokens}"
+    )
     print(f"final answer: {str(result.raw).strip()[:200]!r}")
 
 

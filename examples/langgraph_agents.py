@@ -28,12 +28,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-import kvshelf  # noqa: F401  (OpenBLAS before MLX)
 from langchain.agents import create_agent
 from langchain.agents.middleware import ModelCallLimitMiddleware, ModelRequest, wrap_model_call
 from langchain_core.messages import AIMessage, HumanMessage, ToolMessage, messages_from_dict, messages_to_dict
 from langchain_core.tools import tool
 
+import kvshelf  # noqa: F401  (OpenBLAS before MLX)
 from kvshelf.adapters.langchain import ChatKVShelf
 from kvshelf.paths import kvshelf_home
 
@@ -75,10 +75,15 @@ def report(agent: str, turn: int, new: list) -> None:
         elif isinstance(msg, AIMessage):
             kv, usage = msg.response_metadata.get("kvshelf", {}), msg.usage_metadata or {}
             read = (usage.get("input_token_details") or {}).get("cache_read", 0)
-            said = (f"calls {msg.tool_calls[0]['name']}({json.dumps(msg.tool_calls[0]['args'])})"
-                    if msg.tool_calls else repr(msg.text.strip()[:70]))
-            print(f"  t{turn} {agent:>10}  {kv.get('cache', '?'):>4}  cached {read:4d}/{usage.get('input_tokens', 0):<4d}"
-                  f"  ttft {kv.get('ttft_s', 0):6.2f}s  {said}")
+            said = (
+                f"calls {msg.tool_calls[0]['name']}({json.dumps(msg.tool_calls[0]['args'])})"
+                if msg.tool_calls
+                else repr(msg.text.strip()[:70])
+            )
+            print(
+                f"  t{turn} {agent:>10}  {kv.get('cache', '?'):>4}  cached {read:4d}/{usage.get('input_tokens', 0):<4d}"
+                f"  ttft {kv.get('ttft_s', 0):6.2f}s  {said}"
+            )
 
 
 def main() -> None:
@@ -89,22 +94,34 @@ def main() -> None:
     parser.add_argument("--cache-dir", help="in-process agents' caches (default: kvshelf's own)")
     parser.add_argument("--turns", type=int, default=2)
     parser.add_argument("--max-tokens", type=int, default=24)
-    parser.add_argument("--state", type=Path, help="where the conversation is kept between runs "
-                        "(default: langgraph_agents.json in --cache-dir, else in kvshelf's home)")
+    parser.add_argument(
+        "--state",
+        type=Path,
+        help="where the conversation is kept between runs "
+        "(default: langgraph_agents.json in --cache-dir, else in kvshelf's home)",
+    )
     parser.add_argument("--fresh", action="store_true", help="forget both agents and start over")
     args = parser.parse_args()
     args.state = args.state or Path(args.cache_dir or kvshelf_home() / "examples") / "langgraph_agents.json"
 
     def chat_model(max_tokens: int) -> ChatKVShelf:  # every instance shares one engine (or server)
-        return ChatKVShelf(model=args.model, base_url=args.base_url, api_key=args.api_key,
-                           cache_dir=args.cache_dir, max_tokens=max_tokens)
+        return ChatKVShelf(
+            model=args.model,
+            base_url=args.base_url,
+            api_key=args.api_key,
+            cache_dir=args.cache_dir,
+            max_tokens=max_tokens,
+        )
 
     llm = chat_model(args.max_tokens)
     agents = {  # the researcher's replies are longer: a whole tool call must fit
-        "researcher": create_agent(chat_model(2 * args.max_tokens), tools=[lookup_product],
-                                   system_prompt=BRIEFING + " You research facts.",
-                                   middleware=[call_the_tool_first, ModelCallLimitMiddleware(run_limit=2)],
-                                   name="researcher"),
+        "researcher": create_agent(
+            chat_model(2 * args.max_tokens),
+            tools=[lookup_product],
+            system_prompt=BRIEFING + " You research facts.",
+            middleware=[call_the_tool_first, ModelCallLimitMiddleware(run_limit=2)],
+            name="researcher",
+        ),
         "writer": create_agent(llm, system_prompt=BRIEFING + " You write the newsletter.", name="writer"),
     }
     if args.fresh:
@@ -112,8 +129,10 @@ def main() -> None:
         args.state.unlink(missing_ok=True)
     state = json.loads(args.state.read_text()) if args.state.exists() else {"turn": 0, "histories": {}}
     histories = {name: messages_from_dict(state["histories"].get(name, [])) for name in agents}
-    print(f"{'continuing' if state['turn'] else 'starting'} on {llm.backend.model_name} "
-          f"({'remote ' + args.base_url if args.base_url else 'in-process'}); state in {args.state}")
+    print(
+        f"{'continuing' if state['turn'] else 'starting'} on {llm.backend.model_name} "
+        f"({'remote ' + args.base_url if args.base_url else 'in-process'}); state in {args.state}"
+    )
 
     started = time.monotonic()
     for _ in range(args.turns):

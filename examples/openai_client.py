@@ -58,7 +58,10 @@ def main() -> None:
     print("\n== ada, streamed:")
     histories["ada"].append({"role": "user", "content": "Sum up the discussion."})
     stream = client.with_options(default_headers={"X-Agent-Id": "ada"}).chat.completions.create(
-        model=model, messages=histories["ada"], max_tokens=args.max_tokens, stream=True,
+        model=model,
+        messages=histories["ada"],
+        max_tokens=args.max_tokens,
+        stream=True,
         stream_options={"include_usage": True},
     )
     for chunk in stream:

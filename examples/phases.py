@@ -16,8 +16,8 @@ from __future__ import annotations
 import argparse
 import time
 
-from kvshelf.bench.phases import MODES, Turn, play
-from kvshelf.engine import Engine
+from kvbench.phases import MODES, Turn, play
+from kvshelf.runtime.engine import Engine
 
 NAMESPACE = "phases-example"
 
@@ -35,7 +35,10 @@ def main() -> None:
         for a in engine.agents():
             if a.agent_id.startswith(NAMESPACE + "-"):
                 engine.forget(a.agent_id)
-    print(f"agents on disk from an earlier run: {[a.agent_id for a in engine.agents() if a.agent_id.startswith(NAMESPACE)]}")
+    print(
+        "agents on disk from an earlier run:",
+        [a.agent_id for a in engine.agents() if a.agent_id.startswith(NAMESPACE)],
+    )
     phase = None
 
     def show(turn: Turn) -> None:
@@ -43,18 +46,25 @@ def main() -> None:
         if turn.phase != phase:
             phase = turn.phase
             print(f"\n== {phase}")
-        print(f"  {turn.agent:<9s} {turn.cache:<4s} cached {turn.cached_tokens:5d}/{turn.prompt_tokens:<5d} "
-              f"TTFT {turn.ttft_s:6.2f}s  {turn.text[:70]!r}")
+        print(
+            f"  {turn.agent:<9s} {turn.cache:<4s} cached {turn.cached_tokens:5d}/{turn.prompt_tokens:<5d} "
+            f"TTFT {turn.ttft_s:6.2f}s  {turn.text[:70]!r}"
+        )
 
     t0 = time.perf_counter()
     result = play(engine, MODES[2], max_tokens=args.max_tokens, namespace=NAMESPACE, on_turn=show)
     engine.flush()
     shared = {p.id: len(engine.shared.users(p.id)) for p in engine.shared.resident()}
-    print(f"\nwall {time.perf_counter() - t0:.1f}s over {len(result['turns'])} turns; shared prefixes in RAM "
-          f"(id: agents using it): {shared}")
+    print(
+        f"\nwall {time.perf_counter() - t0:.1f}s over {len(result['turns'])} turns; shared prefixes in RAM "
+        f"(id: agents using it): {shared}"
+    )
     for a in engine.agents():
         if a.agent_id.startswith(NAMESPACE):
-            print(f"  {a.agent_id:<26s} {a.tokens:5d} tokens  own RAM {a.ram_bytes / 1e6:5.2f} MB  disk {a.disk_bytes / 1e6:5.2f} MB")
+            print(
+                f"  {a.agent_id:<26s} {a.tokens:5d} tokens  "
+                f"own RAM {a.ram_bytes / 1e6:5.2f} MB  disk {a.disk_bytes / 1e6:5.2f} MB"
+            )
     engine.close()
 
 

@@ -8,8 +8,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-import kvshelf  # noqa: F401  (must precede any mlx import)
 import pytest
+
+import kvshelf  # noqa: F401  (must precede any mlx import)
 
 sys.path.insert(0, str(Path(__file__).parent))
 from tiny import CONFIGS, make_tiny_model_dir  # noqa: E402
@@ -27,7 +28,7 @@ def tiny_dirs(tmp_path_factory) -> dict[str, Path]:
 @pytest.fixture(scope="session")
 def embedded_loaded():
     """The embedded Gemma 3 270M, converted once per machine and loaded once per session."""
-    from kvshelf.model import load
+    from kvshelf.model.loader import load
 
     return load("embedded", progress=False)
 
@@ -35,9 +36,7 @@ def embedded_loaded():
 def run_in_subprocess(code: str, timeout: float = 300) -> dict:
     """Run ``code`` in a fresh Python process (a real restart); it must print one JSON line last."""
     env = dict(os.environ, PYTHONPATH=str(TESTS_DIR))
-    proc = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout, env=env
-    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout, env=env)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -52,7 +51,7 @@ def continue_in_new_process(model: str, cache_dir: Path, agent_id: str, messages
     out = cache_dir / f"{agent_id}-restored.npy"
     code = f"""
 import json, numpy as np, kvshelf
-from kvshelf.engine import Engine
+from kvshelf.runtime.engine import Engine
 e = Engine(model={model!r}, cache_dir={str(cache_dir)!r}, progress=False)
 np.save({str(out)!r}, e.prefill({agent_id!r}, {messages!r}))
 r = e.chat({agent_id!r}, {messages!r}, max_tokens={max_tokens})

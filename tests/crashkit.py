@@ -45,7 +45,7 @@ KILL_MODES = ("random", "mid-write", "mid-erase")
 CHILD = r"""
 import json, random, sys
 import kvshelf
-from kvshelf.engine import Engine, UnknownAgent
+from kvshelf.runtime.engine import Engine, UnknownAgent
 
 model, cache_dir, ledger_path, seed = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
 ledger = json.load(open(ledger_path))
@@ -137,7 +137,9 @@ class Child:
         path.write_text(json.dumps({a: {"messages": ledger.messages[a]} for a in AGENTS}))
         self.proc = subprocess.Popen(
             [sys.executable, "-c", CHILD.format(budget=budget), str(model_dir), str(cache_dir), str(path), str(seed)],
-            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
             env=dict(os.environ, PYTHONPATH=str(TESTS_DIR)),
         )
         self.lines: list[str] = []
@@ -189,7 +191,7 @@ def kill_somewhere(child: Child, store_dir: Path, mode: str, rng: random.Random)
 
 def crash_once(model_dir: Path, cache_dir: Path, ledger: Ledger, seed: int, mode: str, budget: str = "1MB") -> Outcome:
     """One child, one kill, one full check; updates ``ledger`` with what was acknowledged."""
-    from kvshelf.engine import Engine
+    from kvshelf.runtime.engine import Engine
 
     rng = random.Random(seed)
     probe = Engine(model=str(model_dir), cache_dir=cache_dir, progress=False)
@@ -204,7 +206,9 @@ def crash_once(model_dir: Path, cache_dir: Path, ledger: Ledger, seed: int, mode
     for line in child.lines:
         parts = line.split(" ", 3)  # the fourth part of an ack is JSON, spaces and all
         if parts[0] == "begin":
-            in_flight = tuple(line.split(" ")[1:])  # op, agent, then the prompt's length and digest or the fork's target
+            in_flight = tuple(
+                line.split(" ")[1:]
+            )  # op, agent, then the prompt's length and digest or the fork's target
         elif parts[0] in ("ack", "nack", "noop"):
             op, aid = parts[1], parts[2]
             if parts[0] == "ack":
@@ -244,8 +248,13 @@ def crash_once(model_dir: Path, cache_dir: Path, ledger: Ledger, seed: int, mode
                 records[aid] = "erased"
             elif forked_to and tokens is not None and tokens == ledger.tokens[in_flight[1]]:
                 records[aid] = "new"
-            elif flying and in_flight[0] == "chat" and tokens is not None and \
-                    len(tokens) >= int(in_flight[2]) and digest(tokens[: int(in_flight[2])]) == in_flight[3]:
+            elif (
+                flying
+                and in_flight[0] == "chat"
+                and tokens is not None
+                and len(tokens) >= int(in_flight[2])
+                and digest(tokens[: int(in_flight[2])]) == in_flight[3]
+            ):
                 records[aid] = "new"
             elif expected is not None and tokens is None:
                 failures.append(f"{aid}: an acknowledged turn was lost ({len(expected)} tokens)")
@@ -255,8 +264,10 @@ def crash_once(model_dir: Path, cache_dir: Path, ledger: Ledger, seed: int, mode
                 ledger.tokens[aid] = tokens  # what the next round starts from
                 if tokens is None:
                     ledger.messages[aid] = []
-        quarantined = [*engine.store.quarantine_dir.glob("*.safetensors"),
-                       *engine.shared.store.quarantine_dir.glob("*.safetensors")]
+        quarantined = [
+            *engine.store.quarantine_dir.glob("*.safetensors"),
+            *engine.shared.store.quarantine_dir.glob("*.safetensors"),
+        ]
         if quarantined:
             failures.append(f"{len(quarantined)} record(s) were quarantined as corrupt")
     finally:
@@ -267,7 +278,7 @@ def crash_once(model_dir: Path, cache_dir: Path, ledger: Ledger, seed: int, mode
 
 def warm_restore_check(model_dir: Path, cache_dir: Path, ledger: Ledger) -> dict[str, str]:
     """Continue every agent with an acknowledged turn in a new process: each must come back warm."""
-    from kvshelf.engine import Engine
+    from kvshelf.runtime.engine import Engine
 
     engine = Engine(model=str(model_dir), cache_dir=cache_dir, progress=False)
     try:

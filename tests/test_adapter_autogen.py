@@ -33,8 +33,8 @@ from servers import ServerThread
 from tiny import make_tiny_model_dir
 
 from kvshelf.adapters.autogen import KVShelfChatCompletionClient, runtime_agent_name, to_openai_messages
-from kvshelf.engine import Engine
-from kvshelf.server import create_app
+from kvshelf.runtime.engine import Engine
+from kvshelf.serving.server import create_app
 
 SYSTEM = SystemMessage(content="You are a terse assistant.")
 
@@ -93,9 +93,14 @@ async def test_distinct_agents_get_distinct_caches_and_a_second_turn_reuses_the_
     assert a1.agent_id == f"{mode}-alice" and a1.cache == "cold" and a1.cached_tokens == 0
 
     await bob.create(messages)  # same prompt, another agent: its own, empty cache
-    assert bob.last_turn.agent_id == f"{mode}-bob" and bob.last_turn.cache == "cold" and bob.last_turn.cached_tokens == 0
+    assert (
+        bob.last_turn.agent_id == f"{mode}-bob" and bob.last_turn.cache == "cold" and bob.last_turn.cached_tokens == 0
+    )
 
-    messages += [AssistantMessage(content=first.content, source="alice"), UserMessage(content="And then?", source="user")]
+    messages += [
+        AssistantMessage(content=first.content, source="alice"),
+        UserMessage(content="And then?", source="user"),
+    ]
     await alice.create(messages)
     a2 = alice.last_turn
     assert a2.cache == "hot" and a2.cached_tokens >= a1.prompt_tokens
@@ -154,8 +159,10 @@ async def test_a_call_without_tools_keeps_the_agents_tool_text_and_so_its_cache(
     tool = FunctionTool(get_weather, description="The current weather in a city.")
     messages = ask("Weather in Oslo?")
     first = await agent.create(messages, tools=[tool])
-    messages += [AssistantMessage(content=first.content, thought=first.thought, source="reflector"),
-                 UserMessage(content="Sum up.", source="user")]
+    messages += [
+        AssistantMessage(content=first.content, thought=first.thought, source="reflector"),
+        UserMessage(content="Sum up.", source="user"),
+    ]
     second = await agent.create(messages, tool_choice="none")
     assert isinstance(second.content, str) and agent.last_turn.cached_tokens >= first.usage.prompt_tokens
     conv = client.conversation(f"{mode}-reflector")
@@ -268,7 +275,9 @@ async def test_tool_call_round_trip(embedded):
     output = await tool.run_json(args, CancellationToken()) if "city" in args else get_weather("Paris")
     messages += [
         AssistantMessage(content=called.content, thought=called.thought, source="forecaster"),
-        FunctionExecutionResultMessage(content=[FunctionExecutionResult(content=output, name=call.name, call_id=call.id)]),
+        FunctionExecutionResultMessage(
+            content=[FunctionExecutionResult(content=output, name=call.name, call_id=call.id)]
+        ),
     ]
     answer = await agent.create(messages, tools=[tool], extra_create_args={"max_tokens": 12})
     assert isinstance(answer.content, str) and answer.content.strip() and answer.finish_reason in ("stop", "length")
@@ -298,7 +307,8 @@ async def test_json_output_asks_for_a_json_object(tiny, mode, json_output):
 async def test_structured_output_is_json(embedded):
     """The schema is shown, not enforced: the 270M model returns valid JSON, if not always a Pet."""
     result = await embedded.for_agent("json-pet").create(
-        ask("Describe a pet cat called Tom as a JSON object with the keys name and species."), json_output=Pet,
+        ask("Describe a pet cat called Tom as a JSON object with the keys name and species."),
+        json_output=Pet,
         extra_create_args={"max_tokens": 80},
     )
     assert isinstance(json.loads(result.content), dict)
@@ -323,7 +333,11 @@ def test_model_info_and_capabilities(tiny):
     validate_model_info(client.model_info)
     info = client.model_info
     assert (info["vision"], info["function_calling"], info["json_output"], info["structured_output"]) == (
-        False, True, True, True)
+        False,
+        True,
+        True,
+        True,
+    )
     assert client.capabilities == {"vision": False, "function_calling": True, "json_output": True}
 
 
@@ -362,14 +376,23 @@ def test_dump_and_load_component(tiny):
 def test_predict_context_extends_the_listeners_history_with_what_it_has_not_heard():
     from kvshelf.adapters.autogen import _Heard, predict_context
 
-    ben = _Heard("ben", [SystemMessage(content="You are ben."), UserMessage(content="Plan.", source="user")], "I agree.", {})
-    ann_saw = [SystemMessage(content="You are ann."), UserMessage(content="Plan.", source="user"),
-               AssistantMessage(content="Let us go.", source="ann"), UserMessage(content="I agree.", source="ben"),
-               UserMessage(content="Bring food.", source="cy")]
+    ben = _Heard(
+        "ben", [SystemMessage(content="You are ben."), UserMessage(content="Plan.", source="user")], "I agree.", {}
+    )
+    ann_saw = [
+        SystemMessage(content="You are ann."),
+        UserMessage(content="Plan.", source="user"),
+        AssistantMessage(content="Let us go.", source="ann"),
+        UserMessage(content="I agree.", source="ben"),
+        UserMessage(content="Bring food.", source="cy"),
+    ]
     predicted = predict_context(ben, "ann", ann_saw, "Agreed, at noon.")
-    assert predicted == [*ben.messages, AssistantMessage(content="I agree.", source="ben"),
-                         UserMessage(content="Bring food.", source="cy"),
-                         UserMessage(content="Agreed, at noon.", source="ann")]
+    assert predicted == [
+        *ben.messages,
+        AssistantMessage(content="I agree.", source="ben"),
+        UserMessage(content="Bring food.", source="cy"),
+        UserMessage(content="Agreed, at noon.", source="ann"),
+    ]
     stranger = _Heard("dora", [SystemMessage(content="You are dora.")], "Hello.", {})
     assert predict_context(stranger, "ann", ann_saw, "Agreed.") is None  # not in this group's history
 
@@ -381,8 +404,10 @@ async def test_group_chat_prefill_ahead_gives_the_same_replies_with_more_of_each
 
     async def play(ahead: bool) -> tuple[list[str], list]:
         client = make_client(tiny, mode, agent_prefix=f"{mode}-ahead{int(ahead)}-", prefill_ahead=ahead, max_tokens=5)
-        agents = [AssistantAgent(n, model_client=client, system_message=f"You are {n}, planning a trip.")
-                  for n in ("ann", "ben", "cy")]
+        agents = [
+            AssistantAgent(n, model_client=client, system_message=f"You are {n}, planning a trip.")
+            for n in ("ann", "ben", "cy")
+        ]
         result = await RoundRobinGroupChat(agents, max_turns=9).run(task="Where shall we go?")
         await client.close()
         return [m.content for m in result.messages], client.turns

@@ -20,8 +20,8 @@ from types import SimpleNamespace
 import pytest
 from servers import ServerThread
 
-from kvshelf.engine import Engine
-from kvshelf.server import create_app
+from kvshelf.runtime.engine import Engine
+from kvshelf.serving.server import create_app
 
 MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Say something."}]
 
@@ -43,8 +43,15 @@ def cw(tmp_path_factory) -> Iterator[SimpleNamespace]:
         from kvshelf.adapters.crewai import KVShelfLLM
 
         yield SimpleNamespace(
-            Agent=Agent, Crew=Crew, Process=Process, Task=Task, bus=crewai_event_bus, llm_events=llm_events,
-            tool_events=tool_usage_events, call_stop_override=call_stop_override, KVShelfLLM=KVShelfLLM,
+            Agent=Agent,
+            Crew=Crew,
+            Process=Process,
+            Task=Task,
+            bus=crewai_event_bus,
+            llm_events=llm_events,
+            tool_events=tool_usage_events,
+            call_stop_override=call_stop_override,
+            KVShelfLLM=KVShelfLLM,
         )
 
 
@@ -158,7 +165,7 @@ def test_streaming_emits_chunk_events_and_matches_plain_calls(cw, tiny, mode):
 def test_stop_words_end_the_reply_before_them(cw, tiny, mode):
     llm = make_llm(cw, tiny, mode, max_tokens=16)
     whole = llm.call(MESSAGES)
-    stop = next(whole[i:i + 3] for i in range(4, len(whole) - 3) if whole[i:i + 3].strip())
+    stop = next(whole[i : i + 3] for i in range(4, len(whole) - 3) if whole[i : i + 3].strip())
     cut = whole[: whole.index(stop)]
     with cw.call_stop_override(llm, [stop]):  # how CrewAI's executor applies "\nObservation:"
         assert llm.call(MESSAGES).strip() == cut.strip()
@@ -203,13 +210,22 @@ def test_response_model_returns_the_validated_object_or_text(cw, tiny, embedded)
 def test_tool_calls_round_trip_directly_and_through_an_agent(cw, embedded):
     from crewai.tools import BaseTool
 
-    tools = [{"type": "function", "function": {
-        "name": "get_secret_word", "description": "Return the secret word.",
-        "parameters": {"type": "object", "properties": {}}}}]
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "get_secret_word",
+                "description": "Return the secret word.",
+                "parameters": {"type": "object", "properties": {}},
+            },
+        }
+    ]
     forced = {"type": "function", "function": {"name": "get_secret_word"}}
     llm = cw.KVShelfLLM(engine=embedded, max_tokens=24, tool_choice=forced)
-    messages = [{"role": "system", "content": "You are a helpful assistant."},
-                {"role": "user", "content": "What is the secret word?"}]
+    messages = [
+        {"role": "system", "content": "You are a helpful assistant."},
+        {"role": "user", "content": "What is the secret word?"},
+    ]
 
     # 1. No available_functions: the OpenAI-style calls come back for the executor to run.
     calls = llm.call(messages, tools=tools)
@@ -231,7 +247,9 @@ def test_tool_calls_round_trip_directly_and_through_an_agent(cw, embedded):
     ran = []
     T = cw.tool_events
     with Events(cw, T.ToolUsageFinishedEvent) as events:
-        out = llm.call(messages, tools=tools, available_functions={"get_secret_word": lambda **_: ran.append(1) or "kvshelf"})
+        out = llm.call(
+            messages, tools=tools, available_functions={"get_secret_word": lambda **_: ran.append(1) or "kvshelf"}
+        )
     assert out == "kvshelf" and ran == [1] and events.of(T.ToolUsageFinishedEvent)[0].tool_name == "get_secret_word"
     assert llm.turns[-1]["cached_tokens"] > 0  # same prompt again: served from the cache
 
@@ -245,8 +263,15 @@ def test_tool_calls_round_trip_directly_and_through_an_agent(cw, embedded):
             ran.append(2)
             return "kvshelf"
 
-    agent = cw.Agent(role="Keeper", goal="Find the secret word.", backstory="You use tools.",
-                     tools=[SecretWord()], llm=llm, max_iter=2, verbose=False)
+    agent = cw.Agent(
+        role="Keeper",
+        goal="Find the secret word.",
+        backstory="You use tools.",
+        tools=[SecretWord()],
+        llm=llm,
+        max_iter=2,
+        verbose=False,
+    )
     task = cw.Task(description="What is the secret word?", expected_output="The word.", agent=agent)
     result = cw.Crew(agents=[agent], tasks=[task], verbose=False).kickoff()
     assert result.raw == "kvshelf" and ran == [1, 2]

@@ -16,14 +16,14 @@ from langchain.agents import create_agent
 from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, ToolMessage
 from langchain_core.runnables import RunnableLambda
 from langchain_core.tools import tool
+from langchain_env import offline_langchain_env
 from servers import ServerThread
 
 from kvshelf.adapters.backend import shared_engine
 from kvshelf.adapters.identity import agent_key, fallback_key
 from kvshelf.adapters.langchain import ChatKVShelf
-from langchain_env import offline_langchain_env
-from kvshelf.engine import Engine
-from kvshelf.server import create_app
+from kvshelf.runtime.engine import Engine
+from kvshelf.serving.server import create_app
 
 SYSTEM = "You are a member of a small research team. Answer in one short sentence."
 QUESTION = "What is a cache?"
@@ -134,7 +134,6 @@ async def test_async_invoke_and_stream(mode):
     assert whole.text and ext(whole)["agent_id"] == f"async-{name}"
     parts = [chunk async for chunk in llm.astream(messages, config={"metadata": {"agent_id": f"async2-{name}"}})]
     assert parts[-1].chunk_position == "last" and ext(parts[-1])["agent_id"] == f"async-{name}"  # bound id wins
-
 
 
 # -- identity: each step of the resolution order --------------------------------------------

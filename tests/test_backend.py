@@ -13,11 +13,14 @@ import pytest
 from servers import ServerThread
 
 from kvshelf.adapters.backend import BackendError, LocalBackend, RemoteBackend, connect, merge_chunks, shared_engine
-from kvshelf.engine import Engine
-from kvshelf.server import create_app
+from kvshelf.runtime.engine import Engine
+from kvshelf.serving.server import create_app
 
-BODY = {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello."}],
-        "max_tokens": 6, "temperature": 0}
+BODY = {
+    "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello."}],
+    "max_tokens": 6,
+    "temperature": 0,
+}
 
 
 @pytest.fixture(scope="module")
@@ -64,11 +67,14 @@ def test_streams_merge_to_the_whole_reply_in_both_modes(backends):
     assert asyncio.run(both()) == [whole] * 4
 
 
-@pytest.mark.parametrize("agent, body, status, code", [
-    ("../etc", BODY, 400, "invalid_agent_id"),
-    ("ok", {**BODY, "messages": []}, 400, None),
-    ("ok", {**BODY, "tool_choice": "required"}, 400, None),
-])
+@pytest.mark.parametrize(
+    "agent, body, status, code",
+    [
+        ("../etc", BODY, 400, "invalid_agent_id"),
+        ("ok", {**BODY, "messages": []}, 400, None),
+        ("ok", {**BODY, "tool_choice": "required"}, 400, None),
+    ],
+)
 def test_errors_are_the_same_backend_error_in_both_modes(backends, agent, body, status, code):
     local, remote, _ = backends
     errors = []

@@ -18,17 +18,38 @@ from pathlib import Path
 import matplotlib.image as mpimg
 
 TINY = [
-    "ttft_sizes=64", "ttft_repeats=2", "capacity_sizes=64,128", "capacity_budget=2000000",
-    "ppl_tokens=256", "ppl_schemes=q4-g64-kivi-rotv", "routing_experts=4", "routing_doc_tokens=200",
-    "routing_questions=3", "routing_max_tokens=6", "peer_agents=2", "peer_doc_tokens=120", "peer_max_tokens=3",
+    "ttft_sizes=64",
+    "ttft_repeats=2",
+    "capacity_sizes=64,128",
+    "capacity_budget=2000000",
+    "ppl_tokens=256",
+    "ppl_schemes=q4-g64-kivi-rotv",
+    "routing_experts=4",
+    "routing_doc_tokens=200",
+    "routing_questions=3",
+    "routing_max_tokens=6",
+    "peer_agents=2",
+    "peer_doc_tokens=120",
+    "peer_max_tokens=3",
 ]
 SECTIONS = ("ttft", "capacity", "quality", "routing", "peer")
 
 
 def test_bench_quick_writes_a_report_with_charts(tiny_dirs, tmp_path):
     out = tmp_path / "report"
-    cmd = [sys.executable, "-m", "kvshelf.cli", "bench", "--quick", "--model", str(tiny_dirs["llama"]),
-           "--out", str(out), "--work-dir", str(tmp_path / "work")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "kvshelf.cli",
+        "bench",
+        "--quick",
+        "--model",
+        str(tiny_dirs["llama"]),
+        "--out",
+        str(out),
+        "--work-dir",
+        str(tmp_path / "work"),
+    ]
     for pair in TINY:
         cmd += ["--set", pair]
     cmd += ["--sections", ",".join(SECTIONS)]

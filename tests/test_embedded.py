@@ -12,14 +12,13 @@ import math
 import time
 from pathlib import Path
 
-import kvshelf  # noqa: F401  (preloads OpenBLAS before mlx)
 import mlx.core as mx
 import pytest
 from mlx_lm.utils import load_model
 
-from kvshelf import embedded
-from kvshelf.paths import models_dir
-from kvshelf.embedded import (
+import kvshelf  # noqa: F401  (preloads OpenBLAS before mlx)
+from kvshelf.model import embedded
+from kvshelf.model.embedded import (
     BOS_ID,
     END_OF_TURN_ID,
     EOS_ID,
@@ -28,6 +27,7 @@ from kvshelf.embedded import (
     embedded_model_dir,
     load_tokenizer,
 )
+from kvshelf.paths import models_dir
 
 pytestmark = pytest.mark.embedded
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from conftest import continue_in_new_process
 
-from kvshelf.engine import Engine
+from kvshelf.runtime.engine import Engine
 
 pytestmark = pytest.mark.embedded
 
@@ -44,7 +44,8 @@ def test_embedded_reuses_generated_tokens(embedded_loaded, tmp_path):
     engine = Engine(model=embedded_loaded, cache_dir=tmp_path)
     r1 = engine.chat("geo", MESSAGES, max_tokens=10)
     r2 = engine.chat(
-        "geo", [*MESSAGES, {"role": "assistant", "content": r1.text}, {"role": "user", "content": "Thanks."}],
+        "geo",
+        [*MESSAGES, {"role": "assistant", "content": r1.text}, {"role": "user", "content": "Thanks."}],
         max_tokens=4,
     )
     # Gemma's tokenizer re-encodes the reply to the same ids, so all fed tokens are reused

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from conftest import continue_in_new_process, run_in_subprocess
 
-from kvshelf.engine import Engine
 from kvshelf.errors import InvalidAgentId
+from kvshelf.runtime.engine import Engine
 
 KINDS = ["llama", "gemma3_text", "deepseek_v2"]
 LONG = " ".join(f"fact {i}: the sky was {['blue', 'grey', 'red'][i % 3]} on day {i}." for i in range(30))
@@ -181,7 +181,7 @@ def test_two_processes_on_one_cache_dir(tiny_dirs, tmp_path):
     code = textwrap.dedent(
         f"""
         import json, sys, kvshelf
-        from kvshelf.engine import Engine
+        from kvshelf.runtime.engine import Engine
         e = Engine(model={str(tiny_dirs["llama"])!r}, cache_dir={str(tmp_path)!r})
         tag = sys.argv[1] if len(sys.argv) > 1 else "x"
         for i in range(6):
@@ -233,7 +233,7 @@ def test_async_twins_match_sync(tiny_dirs, tmp_path):
 def test_records_name_their_kv_scheme(tiny_dirs, tmp_path):
     """A record written under another known scheme is read as that scheme; an unknown one
     is quarantined, never misread."""
-    from kvshelf.store import CacheRecord
+    from kvshelf.kv.record import CacheRecord
 
     plain = Engine(model=tiny_dirs["gemma3_text"], cache_dir=tmp_path, kv_scheme="q4-g64-per-token-v1")
     first = plain.chat("olga", convo(), max_tokens=6)

@@ -22,21 +22,22 @@ import weakref
 from collections.abc import Iterator
 from pathlib import Path
 
-import kvshelf  # noqa: F401  (OpenBLAS before mlx)
 import httpx
 import pytest
 from crashkit import KILL_MODES, Ledger, crash_once, warm_restore_check
 from servers import wait_up
 from tiny import make_tiny_model_dir
 
+import kvshelf  # noqa: F401  (OpenBLAS before mlx)
+
 pytest.importorskip("fastapi")
 from starlette.testclient import TestClient  # noqa: E402
 
-from kvshelf import exclusive  # noqa: E402
-from kvshelf import store as store_module  # noqa: E402
-from kvshelf.agent_cache import common_prefix_length  # noqa: E402
-from kvshelf.engine import Engine  # noqa: E402
-from kvshelf.server import create_app, serve  # noqa: E402
+from kvshelf.kv.agent_cache import common_prefix_length  # noqa: E402
+from kvshelf.runtime.engine import Engine  # noqa: E402
+from kvshelf.serving.server import create_app, serve  # noqa: E402
+from kvshelf.storage import exclusive  # noqa: E402
+from kvshelf.storage import records as store_module  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -68,8 +69,12 @@ def test_durable_engine_answers_once_the_turn_is_on_disk(llama, tmp_path):
     r = engine.chat("dee", [{"role": "user", "content": "hello"}], max_tokens=3)
     # nothing was flushed: the answer itself waited for the save
     assert r.saved is True and engine.store.token_count("dee") == len(engine.pool.get("dee").tokens)
-    assert Engine(model=llama, cache_dir=tmp_path, progress=False).chat("x", [{"role": "user", "content": "a"}],
-                                                                       max_tokens=1).saved is None
+    assert (
+        Engine(model=llama, cache_dir=tmp_path, progress=False)
+        .chat("x", [{"role": "user", "content": "a"}], max_tokens=1)
+        .saved
+        is None
+    )
     engine.close()
 
 
@@ -164,9 +169,21 @@ def start_server(model: Path, cache_dir: Path) -> tuple[subprocess.Popen, str]:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "kvshelf.cli", "serve", "--model", str(model), "--cache-dir", str(cache_dir),
-         "--port", str(port)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        [
+            sys.executable,
+            "-m",
+            "kvshelf.cli",
+            "serve",
+            "--model",
+            str(model),
+            "--cache-dir",
+            str(cache_dir),
+            "--port",
+            str(port),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
     )
     return proc, f"http://127.0.0.1:{port}"
 
@@ -281,7 +298,8 @@ def test_erasing_forked_agents_releases_their_shared_prefix(llama, tmp_path):
         assert client.delete(f"/v1/agents/{agent}").status_code == 200
     gc.collect()
     assert engine.shared.on_disk() == [] and engine.shared.users(pid) == []
-    assert not [p for p in tmp_path.rglob("*") if p.is_file() and not p.name.startswith(".server")], \
-        list(tmp_path.rglob("*"))  # not a record, lock, marker or prefix file is left
+    assert not [p for p in tmp_path.rglob("*") if p.is_file() and not p.name.startswith(".server")], list(
+        tmp_path.rglob("*")
+    )  # not a record, lock, marker or prefix file is left
     assert held() is None and engine.shared.resident() == []  # nor its blocks in RAM
     engine.close()

@@ -15,18 +15,19 @@ from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import quote
 
-import kvshelf  # noqa: F401  (OpenBLAS before mlx)
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tiny import make_tiny_model_dir
 
+import kvshelf  # noqa: F401  (OpenBLAS before mlx)
+
 pytest.importorskip("fastapi")
 from starlette.testclient import TestClient  # noqa: E402
 
-from kvshelf.agent_id import is_valid_agent_id  # noqa: E402
-from kvshelf.engine import Engine  # noqa: E402
-from kvshelf.server import create_app  # noqa: E402
+from kvshelf.runtime.engine import Engine  # noqa: E402
+from kvshelf.serving.server import create_app  # noqa: E402
+from kvshelf.storage.agent_id import is_valid_agent_id  # noqa: E402
 
 CONTEXT = 256
 FUZZ = settings(max_examples=60, deadline=None, database=None, suppress_health_check=list(HealthCheck))
@@ -64,31 +65,76 @@ json_values = st.recursive(
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
     max_leaves=10,
 )
-TRICKY_IDS = ["", ".", "..", "../x", "../../etc/passwd", "a/b", "a\\b", "/abs", "con", "NUL.txt", "x" * 129,
-              "x" * 128, "a..b", "a.", ".hidden", "-dash", "ok:id@x.y", "caf\u00e9", "\u0430lice", "a\x00b",
-              "a b", "%2e%2e", "\U0001f600", "\ud800", "valid-id"]
+TRICKY_IDS = [
+    "",
+    ".",
+    "..",
+    "../x",
+    "../../etc/passwd",
+    "a/b",
+    "a\\b",
+    "/abs",
+    "con",
+    "NUL.txt",
+    "x" * 129,
+    "x" * 128,
+    "a..b",
+    "a.",
+    ".hidden",
+    "-dash",
+    "ok:id@x.y",
+    "caf\u00e9",
+    "\u0430lice",
+    "a\x00b",
+    "a b",
+    "%2e%2e",
+    "\U0001f600",
+    "\ud800",
+    "valid-id",
+]
 agent_ids = st.sampled_from(TRICKY_IDS) | st.text(max_size=140)
 header_ids = agent_ids.filter(lambda s: all(32 <= ord(c) < 127 for c in s) and s == s.strip())
 roles = st.sampled_from(["system", "developer", "user", "assistant", "tool", "wizard", ""]) | json_values
-contents = (st.text(max_size=200) | st.sampled_from(["x" * 3000, "", "\ud800\udfff", "\x00" * 20])
-            | st.lists(st.fixed_dictionaries({"type": st.sampled_from(["text", "image_url"]), "text": json_values}),
-                       max_size=3) | json_values)
-messages = st.lists(st.fixed_dictionaries({"role": roles}, optional={"content": contents, "tool_calls": json_values,
-                                                                      "name": json_values}), max_size=4) | json_values
+contents = (
+    st.text(max_size=200)
+    | st.sampled_from(["x" * 3000, "", "\ud800\udfff", "\x00" * 20])
+    | st.lists(st.fixed_dictionaries({"type": st.sampled_from(["text", "image_url"]), "text": json_values}), max_size=3)
+    | json_values
+)
+messages = (
+    st.lists(
+        st.fixed_dictionaries(
+            {"role": roles}, optional={"content": contents, "tool_calls": json_values, "name": json_values}
+        ),
+        max_size=4,
+    )
+    | json_values
+)
 small_or_giant = st.integers(-(2**70), 6) | st.integers(CONTEXT + 1, 2**70) | json_values
-bodies = st.fixed_dictionaries(
-    {"messages": messages},
-    optional={
-        "model": json_values, "max_tokens": small_or_giant, "max_completion_tokens": small_or_giant,
-        "temperature": st.floats() | json_values, "top_p": st.floats() | json_values,
-        "seed": st.integers(-(2**100), 2**100) | json_values, "stop": json_values | st.lists(st.text(max_size=3)),
-        "stream": st.booleans() | json_values, "stream_options": json_values, "tools": json_values,
-        "tool_choice": json_values | st.sampled_from(["none", "auto", "required"]),
-        "response_format": json_values | st.sampled_from([{"type": "json_object"}, {"type": "json_schema"}]),
-        "user": agent_ids | json_values, "n": json_values, "logprobs": json_values,
-        "parallel_tool_calls": json_values,
-    },
-) | json_values
+bodies = (
+    st.fixed_dictionaries(
+        {"messages": messages},
+        optional={
+            "model": json_values,
+            "max_tokens": small_or_giant,
+            "max_completion_tokens": small_or_giant,
+            "temperature": st.floats() | json_values,
+            "top_p": st.floats() | json_values,
+            "seed": st.integers(-(2**100), 2**100) | json_values,
+            "stop": json_values | st.lists(st.text(max_size=3)),
+            "stream": st.booleans() | json_values,
+            "stream_options": json_values,
+            "tools": json_values,
+            "tool_choice": json_values | st.sampled_from(["none", "auto", "required"]),
+            "response_format": json_values | st.sampled_from([{"type": "json_object"}, {"type": "json_schema"}]),
+            "user": agent_ids | json_values,
+            "n": json_values,
+            "logprobs": json_values,
+            "parallel_tool_calls": json_values,
+        },
+    )
+    | json_values
+)
 
 
 # -- properties ----------------------------------------------------------------------------------
@@ -127,8 +173,11 @@ def test_agent_ids_anywhere(served, agent):
         check(r)
         if not is_valid_agent_id(agent):  # "", "." and the like are normalised to the listing itself
             assert r.status_code in (400, 404, 405) or r.json()["object"] == "list", r.text
-    for target, body in ((path + "/fork", {"new_agent": "fuzz-fork"}), ("/v1/agents/valid-id/fork", {"new_agent": agent}),
-                         (path + "/append", {"messages": [{"role": "user", "content": "hi"}]})):
+    for target, body in (
+        (path + "/fork", {"new_agent": "fuzz-fork"}),
+        ("/v1/agents/valid-id/fork", {"new_agent": agent}),
+        (path + "/append", {"messages": [{"role": "user", "content": "hi"}]}),
+    ):
         r = client.post(target, content=json.dumps(body), headers={"Content-Type": "application/json"})
         check(r)
         if not is_valid_agent_id(agent):
@@ -179,8 +228,12 @@ def test_no_prompt_text_in_logs(served, caplog):
         {"messages": said, "max_tokens": 3},
         {"messages": said, "max_tokens": 3, "stream": True},
         {"messages": said, "max_tokens": 3, "response_format": {"type": "json_object"}},
-        {"messages": said, "max_tokens": 3, "tools": [{"type": "function", "function": {"name": "f"}}],
-         "tool_choice": "required"},
+        {
+            "messages": said,
+            "max_tokens": 3,
+            "tools": [{"type": "function", "function": {"name": "f"}}],
+            "tool_choice": "required",
+        },
         {"messages": [{"role": "user", "content": SECRET * 40}]},  # over the context
         {"messages": [{"role": "wizard", "content": SECRET}]},
         {"messages": said, "tool_choice": {"type": "function", "function": {"name": SECRET}}},

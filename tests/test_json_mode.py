@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from kvshelf.engine import Engine
-from kvshelf.json_mode import end_of_object
+from kvshelf.runtime.engine import Engine
+from kvshelf.serving.json_mode import end_of_object
 
 
 def test_end_of_object_follows_strings_escapes_and_nesting_token_by_token():
@@ -26,17 +26,21 @@ def test_until_ends_a_reply_early_with_finish_reason_stop(tiny_dirs, tmp_path):
 
 
 def test_a_forced_tool_call_and_json_mode_end_where_their_object_closes():
-    from kvshelf.completions import prepare
-    from kvshelf.openai_api import ChatCompletionRequest
+    from kvshelf.serving.completions import prepare
+    from kvshelf.serving.openai_api import ChatCompletionRequest
 
     tool = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
     base = {"messages": [{"role": "user", "content": "Weather in Paris?"}], "tools": [tool]}
-    named = prepare(ChatCompletionRequest(**base, tool_choice={"type": "function", "function": {"name": "get_weather"}}), None, 64)
+    named = prepare(
+        ChatCompletionRequest(**base, tool_choice={"type": "function", "function": {"name": "get_weather"}}), None, 64
+    )
     reply = ' {"city": "Paris"}}</tool_call> and more'
     assert named.options["until"](reply) == reply.index("}}") + 2
     required = prepare(ChatCompletionRequest(**base, tool_choice="required"), None, 64)
     reply = 'get_weather", "arguments": {}} more'
     assert required.options["until"](reply) == reply.index("}}") + 2
     assert "until" not in prepare(ChatCompletionRequest(**base), None, 64).options  # auto: may call several
-    as_json = prepare(ChatCompletionRequest(messages=base["messages"], response_format={"type": "json_object"}), None, 64)
+    as_json = prepare(
+        ChatCompletionRequest(messages=base["messages"], response_format={"type": "json_object"}), None, 64
+    )
     assert as_json.options["until"]('"a": 1} done') == len('"a": 1}')

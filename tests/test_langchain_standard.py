@@ -20,19 +20,21 @@ from typing import Any
 
 import pytest
 from langchain_core.messages import AIMessage, HumanMessage
+from langchain_env import offline_langchain_env
 from langchain_tests.integration_tests import ChatModelIntegrationTests
 from langchain_tests.unit_tests import ChatModelUnitTests
 
 from kvshelf.adapters.langchain import ChatKVShelf
-from langchain_env import offline_langchain_env
-from kvshelf.engine import Engine
+from kvshelf.runtime.engine import Engine
 
 # Every test gets pytest-asyncio's marker, so the inherited ``async def`` tests run without
 # ``asyncio_mode = "auto"`` (which would change the whole suite); sync tests ignore it.
 pytestmark = [
     pytest.mark.embedded,
     pytest.mark.asyncio,
-    pytest.mark.filterwarnings("ignore:The test <Function .*is marked with '@pytest.mark.asyncio' but it is not an async"),
+    pytest.mark.filterwarnings(
+        "ignore:The test <Function .*is marked with '@pytest.mark.asyncio' but it is not an async"
+    ),
 ]
 
 _ENGINE: list[Engine] = []  # the integration suite's engine, for chat_model_params (a property, so no fixtures)
@@ -62,8 +64,11 @@ class TestChatKVShelfUnit(ChatModelUnitTests):
 
     @property
     def init_from_env_params(self) -> tuple[dict[str, str], dict[str, Any], dict[str, Any]]:
-        return ({"KVSHELF_API_KEY": "sk-test", "KVSHELF_BASE_URL": "http://127.0.0.1:1/v1"}, {},
-                {"api_key": "sk-test", "base_url": "http://127.0.0.1:1/v1"})
+        return (
+            {"KVSHELF_API_KEY": "sk-test", "KVSHELF_BASE_URL": "http://127.0.0.1:1/v1"},
+            {},
+            {"api_key": "sk-test", "base_url": "http://127.0.0.1:1/v1"},
+        )
 
     @property
     def supports_json_mode(self) -> bool:
@@ -76,11 +81,18 @@ class TestChatKVShelfUnit(ChatModelUnitTests):
 
 # Replies long enough for a whole JSON object (the joke schema) or tool call; 8 tokens otherwise.
 _MAX_TOKENS = {
-    "test_structured_output": 48, "test_structured_output_async": 48, "test_json_mode": 48,
-    "test_structured_output_pydantic_2_v1": 48, "test_structured_output_optional_param": 48,
-    "test_tool_calling": 16, "test_tool_calling_async": 16, "test_tool_choice": 16,
-    "test_tool_calling_with_no_arguments": 12, "test_bind_runnables_as_tools": 20,
-    "test_agent_loop": 20, "test_unicode_tool_call_integration": 24,
+    "test_structured_output": 48,
+    "test_structured_output_async": 48,
+    "test_json_mode": 48,
+    "test_structured_output_pydantic_2_v1": 48,
+    "test_structured_output_optional_param": 48,
+    "test_tool_calling": 16,
+    "test_tool_calling_async": 16,
+    "test_tool_choice": 16,
+    "test_tool_calling_with_no_arguments": 12,
+    "test_bind_runnables_as_tools": 20,
+    "test_agent_loop": 20,
+    "test_unicode_tool_call_integration": 24,
 }
 
 
@@ -132,8 +144,11 @@ class TestChatKVShelfIntegration(ChatModelIntegrationTests):
     # A forced call opens the model's turn with the tool's name, so the call itself is made;
     # what fails is the content: the model fills "arguments" with its own keys or with the
     # JSON schema it was shown, and often keeps writing schema keys after the arguments.
-    @pytest.mark.xfail(reason="270M model: forced call names the tool but invents the argument key "
-                       "({'value': '3'}, not {'input': 3}) and runs on into the schema", strict=True)
+    @pytest.mark.xfail(
+        reason="270M model: forced call names the tool but invents the argument key "
+        "({'value': '3'}, not {'input': 3}) and runs on into the schema",
+        strict=True,
+    )
     @pytest.mark.parametrize("model", [{}, {"output_version": "v1"}], indirect=True)
     def test_tool_calling(self, model: ChatKVShelf) -> None:
         super().test_tool_calling(model)
@@ -142,32 +157,46 @@ class TestChatKVShelfIntegration(ChatModelIntegrationTests):
     async def test_tool_calling_async(self, model: ChatKVShelf) -> None:
         await super().test_tool_calling_async(model)
 
-    @pytest.mark.xfail(reason="270M model: copies the tool's JSON schema into the arguments instead of "
-                       "choosing an answer_style", strict=True)
+    @pytest.mark.xfail(
+        reason="270M model: copies the tool's JSON schema into the arguments instead of choosing an answer_style",
+        strict=True,
+    )
     def test_bind_runnables_as_tools(self, model: ChatKVShelf) -> None:
         super().test_bind_runnables_as_tools(model)
 
-    @pytest.mark.xfail(reason="270M model: with tool_choice='any' and two tools it copies the placeholder "
-                       "'function_name' from the calling instructions instead of picking a tool", strict=True)
+    @pytest.mark.xfail(
+        reason="270M model: with tool_choice='any' and two tools it copies the placeholder "
+        "'function_name' from the calling instructions instead of picking a tool",
+        strict=True,
+    )
     def test_tool_choice(self, model: ChatKVShelf) -> None:
         super().test_tool_choice(model)
 
-    @pytest.mark.xfail(reason="270M model: copies the empty parameters schema ({'type': 'object', "
-                       "'properties': {}}) as the arguments of a no-argument tool", strict=True)
+    @pytest.mark.xfail(
+        reason="270M model: copies the empty parameters schema ({'type': 'object', "
+        "'properties': {}}) as the arguments of a no-argument tool",
+        strict=True,
+    )
     def test_tool_calling_with_no_arguments(self, model: ChatKVShelf) -> None:
         super().test_tool_calling_with_no_arguments(model)
 
     # Asked for a Joke object, the model answers with (a piece of) the Joke *schema*. Only the
     # pydantic variants fail: the standard test does not check the keys of a dict result, so
     # the typeddict and json_schema variants pass with the same output (hence strict=False).
-    @pytest.mark.xfail(reason="270M model: writes the Joke JSON schema back instead of a joke; fails for "
-                       "schema_type='pydantic' only (dict results are not checked)", strict=False)
+    @pytest.mark.xfail(
+        reason="270M model: writes the Joke JSON schema back instead of a joke; fails for "
+        "schema_type='pydantic' only (dict results are not checked)",
+        strict=False,
+    )
     @pytest.mark.parametrize("schema_type", ["pydantic", "typeddict", "json_schema"])
     def test_structured_output(self, model: ChatKVShelf, schema_type: str) -> None:
         super().test_structured_output(model, schema_type)  # type: ignore[arg-type]
 
-    @pytest.mark.xfail(reason="270M model: writes the Joke JSON schema back instead of a joke; fails for "
-                       "schema_type='pydantic' only (dict results are not checked)", strict=False)
+    @pytest.mark.xfail(
+        reason="270M model: writes the Joke JSON schema back instead of a joke; fails for "
+        "schema_type='pydantic' only (dict results are not checked)",
+        strict=False,
+    )
     @pytest.mark.parametrize("schema_type", ["pydantic", "typeddict", "json_schema"])
     async def test_structured_output_async(self, model: ChatKVShelf, schema_type: str) -> None:
         await super().test_structured_output_async(model, schema_type)  # type: ignore[arg-type]
@@ -180,19 +209,28 @@ class TestChatKVShelfIntegration(ChatModelIntegrationTests):
     def test_structured_output_optional_param(self, model: ChatKVShelf) -> None:
         super().test_structured_output_optional_param(model)
 
-    @pytest.mark.xfail(reason="270M model: asked for a JSON joke with 'setup' and 'punchline' keys, it writes "
-                       "valid JSON with keys of its own ({'name': 'cat', 'version': ...})", strict=True)
+    @pytest.mark.xfail(
+        reason="270M model: asked for a JSON joke with 'setup' and 'punchline' keys, it writes "
+        "valid JSON with keys of its own ({'name': 'cat', 'version': ...})",
+        strict=True,
+    )
     def test_json_mode(self, model: ChatKVShelf) -> None:
         super().test_json_mode(model)
 
-    @pytest.mark.xfail(reason="270M model: does not call the weather tool of its own accord (tool_choice "
-                       "auto); it answers in text", strict=True)
+    @pytest.mark.xfail(
+        reason="270M model: does not call the weather tool of its own accord (tool_choice auto); it answers in text",
+        strict=True,
+    )
     @pytest.mark.parametrize("model", [{}, {"output_version": "v1"}], indirect=True)
     def test_agent_loop(self, model: ChatKVShelf) -> None:
         super().test_agent_loop(model)
 
-    @pytest.mark.xfail(reason="270M model: gets customer_name right ('你好啊集团') but does not close the "
-                       "call; it runs on with a description of its own past 48 tokens", strict=True)
-    def test_unicode_tool_call_integration(self, model: ChatKVShelf, *, tool_choice: str | None = None,
-                                           force_tool_call: bool = True) -> None:
+    @pytest.mark.xfail(
+        reason="270M model: gets customer_name right ('你好啊集团') but does not close the "
+        "call; it runs on with a description of its own past 48 tokens",
+        strict=True,
+    )
+    def test_unicode_tool_call_integration(
+        self, model: ChatKVShelf, *, tool_choice: str | None = None, force_tool_call: bool = True
+    ) -> None:
         super().test_unicode_tool_call_integration(model, tool_choice=tool_choice, force_tool_call=force_tool_call)

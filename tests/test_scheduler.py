@@ -13,7 +13,7 @@ import time
 import pytest
 from conftest import TESTS_DIR
 
-from kvshelf.engine import Engine
+from kvshelf.runtime.engine import Engine
 
 PROMPTS = {
     "ann": "Tell me about the river that runs past the old mill, and the people who lived there.",
@@ -54,7 +54,11 @@ def test_batched_decode_matches_one_at_a_time(kind, tiny_dirs, tmp_path):
         assert concurrent[aid].token_ids == sequential[aid].token_ids, aid
     # and the agents' caches came out of the batch intact: the next turn matches too
     for aid, (text, n) in jobs.items():
-        follow = [*msgs(text), {"role": "assistant", "content": sequential[aid].text}, {"role": "user", "content": "ok"}]
+        follow = [
+            *msgs(text),
+            {"role": "assistant", "content": sequential[aid].text},
+            {"role": "user", "content": "ok"},
+        ]
         a = alone.chat(aid, follow, max_tokens=5)
         b = together.chat(aid, follow, max_tokens=5)
         assert a.token_ids == b.token_ids and a.usage.cached_tokens == b.usage.cached_tokens > 0
@@ -113,7 +117,7 @@ def test_long_prefill_does_not_stall_decoding_agents(tiny_dirs, tmp_path):
 
 CRASH_LOOP = """
 import sys, kvshelf
-from kvshelf.engine import Engine
+from kvshelf.runtime.engine import Engine
 e = Engine(model=sys.argv[1], cache_dir=sys.argv[2])
 history = [{"role": "user", "content": "start"}]
 print("ready", flush=True)
@@ -130,7 +134,8 @@ def test_kill_during_write_behind_save_leaves_a_usable_record(delay, tiny_dirs, 
     env = dict(os.environ, PYTHONPATH=str(TESTS_DIR))
     proc = subprocess.Popen(
         [sys.executable, "-c", CRASH_LOOP, str(tiny_dirs["llama"]), str(tmp_path)],
-        stdout=subprocess.PIPE, env=env,
+        stdout=subprocess.PIPE,
+        env=env,
     )
     assert proc.stdout.readline().strip() == b"ready"
     time.sleep(delay)  # saves are being written behind all the time by now

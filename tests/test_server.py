@@ -19,22 +19,31 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import kvshelf  # noqa: F401  (OpenBLAS before mlx)
 import httpx
 import pytest
 from servers import ServerThread, wait_up
 from tiny import make_tiny_model_dir
 
+import kvshelf  # noqa: F401  (OpenBLAS before mlx)
+
 openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
 
-from kvshelf.engine import Engine  # noqa: E402
-from kvshelf.server import create_app  # noqa: E402
+from kvshelf.runtime.engine import Engine  # noqa: E402
+from kvshelf.serving.server import create_app  # noqa: E402
 
 KEY = "sk-test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Current weather in a city",
-                                           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Current weather in a city",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        },
+    }
+]
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +66,7 @@ def url(served) -> str:
 
 
 @pytest.fixture
-def client(url) -> "openai.OpenAI":
+def client(url) -> openai.OpenAI:
     return openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0, timeout=60)
 
 
@@ -73,8 +82,11 @@ def test_health_models_and_key(url):
     assert httpx.get(url + "/health").json()["status"] == "ok"  # no key needed
     r = httpx.get(url + "/v1/models", headers=AUTH)
     assert r.status_code == 200 and r.json()["data"][0]["object"] == "model"
-    for headers, code in [({}, None), ({"Authorization": "Bearer wrong"}, "invalid_api_key"),
-                          ({"Authorization": KEY}, "invalid_api_key")]:
+    for headers, code in [
+        ({}, None),
+        ({"Authorization": "Bearer wrong"}, "invalid_api_key"),
+        ({"Authorization": KEY}, "invalid_api_key"),
+    ]:
         r = httpx.get(url + "/v1/agents", headers=headers)
         assert r.status_code == 401 and r.json()["error"]["code"] == code
         assert r.headers["www-authenticate"] == "Bearer"
@@ -92,8 +104,10 @@ def test_cached_tokens_grow_turn_by_turn(client, served):
         assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
         cached.append(usage.prompt_tokens_details.cached_tokens)
         sources.append(r.model_extra["kvshelf"]["cache"])
-        messages += [{"role": "assistant", "content": r.choices[0].message.content},
-                     {"role": "user", "content": f"Tell me more ({turn})."}]
+        messages += [
+            {"role": "assistant", "content": r.choices[0].message.content},
+            {"role": "user", "content": f"Tell me more ({turn})."},
+        ]
     assert cached[0] == 0 and 0 < cached[1] < cached[2]
     assert sources == ["cold", "hot", "hot"]
     assert any(a.agent_id == "alice" for a in served[1].agents())
@@ -197,8 +211,10 @@ def test_tools_are_rendered_and_a_tool_conversation_reuses_the_cache(client):
     first = chat(client, "tina", user, tools=TOOLS)
     assert first.usage.prompt_tokens > plain.usage.prompt_tokens + 50  # the tool text is in the prompt
     call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}
-    history = user + [{"role": "assistant", "content": None, "tool_calls": [call]},
-                      {"role": "tool", "tool_call_id": "call_1", "content": '{"sky": "clear"}'}]
+    history = user + [
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": '{"sky": "clear"}'},
+    ]
     second = chat(client, "tina", history, tools=TOOLS)
     check_reply(second.choices[0])
     # everything up to the model's turn is byte-identical, so all of it is reused
@@ -209,7 +225,11 @@ def test_json_mode_opens_an_object(client):
     messages = [{"role": "user", "content": "Give me a JSON object about cats."}]
     for stream in (False, True):
         r = chat(client, None, messages, response_format={"type": "json_object"}, max_tokens=30, stream=stream)
-        text = "".join(c.choices[0].delta.content or "" for c in r if c.choices) if stream else r.choices[0].message.content
+        text = (
+            "".join(c.choices[0].delta.content or "" for c in r if c.choices)
+            if stream
+            else r.choices[0].message.content
+        )
         assert text.startswith("{")
 
 
@@ -226,18 +246,33 @@ OK = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tok
         ({**OK, "messages": []}, {}, 400, "messages", "invalid_value"),
         ({**OK, "messages": "hi"}, {}, 400, "messages", "invalid_type"),
         ({**OK, "messages": [{"role": "wizard", "content": "hi"}]}, {}, 400, "messages[0].role", "invalid_value"),
-        ({**OK, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, {}, 400,
-         "messages[0].content", "invalid_value"),
+        (
+            {**OK, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+            {},
+            400,
+            "messages[0].content",
+            "invalid_value",
+        ),
         ({**OK, "temperature": "hot"}, {}, 400, "temperature", "invalid_type"),
         ({**OK, "temperature": 7}, {}, 400, "temperature", "invalid_value"),
         ({**OK, "max_tokens": 0}, {}, 400, "max_tokens", "invalid_value"),
         ({**OK, "stop": ["ok", ""]}, {}, 400, "stop", "invalid_value"),
         ({**OK, "n": 3}, {}, 400, "n", "invalid_value"),
-        ({**OK, "tools": [{"type": "function", "function": {"name": "bad name!"}}]}, {}, 400, "tools[0].function.name",
-         "invalid_value"),
+        (
+            {**OK, "tools": [{"type": "function", "function": {"name": "bad name!"}}]},
+            {},
+            400,
+            "tools[0].function.name",
+            "invalid_value",
+        ),
         ({**OK, "tool_choice": "required"}, {}, 400, "tool_choice", None),
-        ({**OK, "tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, {}, 400,
-         "tool_choice", "invalid_value"),
+        (
+            {**OK, "tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+            {},
+            400,
+            "tool_choice",
+            "invalid_value",
+        ),
         (OK, {"X-Agent-Id": "../etc/passwd"}, 400, "X-Agent-Id", "invalid_agent_id"),
         ({**OK, "user": "a b"}, {}, 400, "user", "invalid_agent_id"),
         ({**OK, "messages": [{"role": "user", "content": "x" * 5000}]}, {}, 400, "messages", "context_length_exceeded"),
@@ -245,8 +280,12 @@ OK = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tok
 )
 def test_bad_requests_get_openai_errors(url, body, headers, status, param, code):
     content = body if isinstance(body, str) else json.dumps(body)
-    r = httpx.post(url + "/v1/chat/completions", content=content,
-                   headers={**AUTH, "Content-Type": "application/json", **headers}, timeout=60)
+    r = httpx.post(
+        url + "/v1/chat/completions",
+        content=content,
+        headers={**AUTH, "Content-Type": "application/json", **headers},
+        timeout=60,
+    )
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert err["type"] == "invalid_request_error" and err["param"] == param and err["code"] == code
@@ -292,7 +331,9 @@ def test_disconnect_stops_generation_and_keeps_the_cache_consistent(url, served,
     prompt_tokens = chat(client, None, messages, max_tokens=1).usage.prompt_tokens
     body = {"model": "x", "messages": messages, "max_tokens": 2000, "temperature": 0, "stream": True}
     with httpx.Client() as http:
-        with http.stream("POST", url + "/v1/chat/completions", json=body, headers={**AUTH, "X-Agent-Id": "quitter"}) as r:
+        with http.stream(
+            "POST", url + "/v1/chat/completions", json=body, headers={**AUTH, "X-Agent-Id": "quitter"}
+        ) as r:
             seen = 0
             for line in r.iter_lines():
                 seen += line.startswith("data: ")
@@ -305,8 +346,12 @@ def test_disconnect_stops_generation_and_keeps_the_cache_consistent(url, served,
 
     # a non-streamed request whose client gives up is stopped too
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(url + "/v1/chat/completions", json={**body, "stream": False},
-                   headers={**AUTH, "X-Agent-Id": "impatient"}, timeout=httpx.Timeout(60, read=0.3))
+        httpx.post(
+            url + "/v1/chat/completions",
+            json={**body, "stream": False},
+            headers={**AUTH, "X-Agent-Id": "impatient"},
+            timeout=httpx.Timeout(60, read=0.3),
+        )
     assert _when_saved(engine, "impatient") < prompt_tokens + 1000
 
 
@@ -322,7 +367,10 @@ def test_example_client_runs_as_several_agents(url):
     example = Path(__file__).parent.parent / "examples" / "openai_client.py"
     out = subprocess.run(
         [sys.executable, str(example), "--base-url", url + "/v1", "--turns", "2", "--max-tokens", "6"],
-        env=dict(os.environ, KVSHELF_API_KEY=KEY), capture_output=True, text=True, timeout=60,
+        env=dict(os.environ, KVSHELF_API_KEY=KEY),
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.count("[ada]") == 2 and " hot " in out.stdout and "agents on the server" in out.stdout
@@ -338,9 +386,22 @@ def _start_cli_server(model_dir: Path, cache_dir: Path) -> tuple[subprocess.Pope
     port = _free_port()
     env = dict(os.environ, KVSHELF_API_KEY=KEY)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "kvshelf.cli", "serve", "--model", str(model_dir), "--cache-dir", str(cache_dir),
-         "--port", str(port)],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        [
+            sys.executable,
+            "-m",
+            "kvshelf.cli",
+            "serve",
+            "--model",
+            str(model_dir),
+            "--cache-dir",
+            str(cache_dir),
+            "--port",
+            str(port),
+        ],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
     )
     url = f"http://127.0.0.1:{port}"
     wait_up(proc, url)
@@ -371,8 +432,10 @@ def test_cli_serve_restart_restores_agents_from_disk(model_dir, tmp_path):
         client = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0)
         listed = {a["id"]: a for a in httpx.get(url + "/v1/agents", headers=AUTH).json()["data"]}
         assert listed["rita"]["disk_bytes"] > 0 and not listed["rita"]["resident"]
-        messages += [{"role": "assistant", "content": first.choices[0].message.content},
-                     {"role": "user", "content": "Which number?"}]
+        messages += [
+            {"role": "assistant", "content": first.choices[0].message.content},
+            {"role": "user", "content": "Which number?"},
+        ]
         second = chat(client, "rita", messages)
         assert second.model_extra["kvshelf"]["cache"] == "warm"
         assert second.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens

@@ -4,8 +4,8 @@ import mlx.core as mx
 import pytest
 from mlx_lm.utils import load_model
 
-from kvshelf.qcache import QuantizedLayerCache
-from kvshelf.spec import LayerSpec, ModelCacheSpec
+from kvshelf.kv.blocks import QuantizedLayerCache
+from kvshelf.model.spec import LayerSpec, ModelCacheSpec
 
 
 def spec_of(path):

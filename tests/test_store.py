@@ -1,4 +1,4 @@
-"""Tests of the on-disk record store (kvshelf.store) and agent-id validation.
+"""Tests of the on-disk record store (kvshelf.storage.records) and agent-id validation.
 
 All tensors are real MLX arrays (4-bit ``mx.quantize`` output of random data);
 the filesystem failures are either real (RLIMIT_FSIZE in a child process) or
@@ -6,8 +6,6 @@ injected at the ``os`` level, never by mocking MLX.
 """
 
 from __future__ import annotations
-
-import kvshelf  # noqa: F401  (preloads OpenBLAS before mlx)
 
 import errno
 import hashlib
@@ -26,14 +24,16 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from kvshelf import store as store_module
-from kvshelf.agent_id import validate_agent_id
+import kvshelf  # noqa: F401  (preloads OpenBLAS before mlx)
 from kvshelf.errors import InvalidAgentId, KVShelfError, StorageError
-from kvshelf.store import FORMAT_VERSION, CacheRecord, RecordStore
+from kvshelf.kv.record import CacheRecord
+from kvshelf.storage import records as store_module
+from kvshelf.storage.agent_id import validate_agent_id
+from kvshelf.storage.records import FORMAT_VERSION, RecordStore
 
 FINGERPRINT = hashlib.sha256(b"model-a").hexdigest()
 OTHER_FINGERPRINT = hashlib.sha256(b"model-b").hexdigest()
-LOGGER = "kvshelf.store"
+LOGGER = "kvshelf.storage.records"
 
 
 def make_record(n_layers: int = 2, n_tokens: int = 48, head_dim: int = 64, seed: int = 0) -> CacheRecord:
@@ -538,7 +538,8 @@ _EFBIG_CHILD = textwrap.dedent(
     import mlx.core as mx
     from pathlib import Path
     from kvshelf.errors import StorageError
-    from kvshelf.store import CacheRecord, RecordStore
+    from kvshelf.kv.record import CacheRecord
+    from kvshelf.storage.records import RecordStore
 
     store = RecordStore(Path(sys.argv[1]), sys.argv[2])
     store.save("alice", CacheRecord([1, 2, 3], {"x": mx.arange(1000, dtype=mx.uint32)}, {"v": 1}))
@@ -582,7 +583,8 @@ _WORKER = textwrap.dedent(
     import kvshelf
     import mlx.core as mx
     from pathlib import Path
-    from kvshelf.store import CacheRecord, RecordStore
+    from kvshelf.kv.record import CacheRecord
+    from kvshelf.storage.records import RecordStore
 
     root, fingerprint, worker, rounds, go = sys.argv[1:]
     worker, rounds = int(worker), int(rounds)

@@ -7,14 +7,27 @@ import json
 
 import pytest
 
-from kvshelf.json_mode import JsonObjectCutter, instruction, is_valid_json
-from kvshelf.template import ChatMLTemplate, GemmaTemplate
-from kvshelf.tools import ToolCallStream, name_tool_results, opening, parse_tool_calls, tools_text, with_system_text
+from kvshelf.model.template import ChatMLTemplate, GemmaTemplate
+from kvshelf.serving.json_mode import JsonObjectCutter, instruction, is_valid_json
+from kvshelf.serving.tools import (
+    ToolCallStream,
+    name_tool_results,
+    opening,
+    parse_tool_calls,
+    tools_text,
+    with_system_text,
+)
 
 NAMES = ["get_weather", "add"]
 TOOLS = [
-    {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
-                                      "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}},
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Weather in a city",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        },
+    },
     {"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}},
 ]
 
@@ -28,20 +41,39 @@ def calls_of(text: str) -> tuple[str, list[tuple[str, dict]]]:
     "text, content, calls",
     [
         ("Just an answer.", "Just an answer.", []),
-        ('<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>', "", [("get_weather", {"city": "Paris"})]),
+        (
+            '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>',
+            "",
+            [("get_weather", {"city": "Paris"})],
+        ),
         # arguments as a JSON string, as OpenAI itself sends them; a second call; text before
-        ('Let me see.\n<tool_call>{"name": "add", "arguments": "{\\"a\\": 1}"}</tool_call>\n'
-         '<tool_call>{"name": "get_weather", "arguments": {}}</tool_call>\nDone.', "Let me see.\n", [("add", {"a": 1}), ("get_weather", {})]),
+        (
+            'Let me see.\n<tool_call>{"name": "add", "arguments": "{\\"a\\": 1}"}</tool_call>\n'
+            '<tool_call>{"name": "get_weather", "arguments": {}}</tool_call>\nDone.',
+            "Let me see.\n",
+            [("add", {"a": 1}), ("get_weather", {})],
+        ),
         # an invalid block before a valid one stays content
-        ('<tool_call>{"name": "nope"}</tool_call><tool_call>{"name": "add", "arguments": {}}</tool_call>',
-         '<tool_call>{"name": "nope"}</tool_call>', [("add", {})]),
+        (
+            '<tool_call>{"name": "nope"}</tool_call><tool_call>{"name": "add", "arguments": {}}</tool_call>',
+            '<tool_call>{"name": "nope"}</tool_call>',
+            [("add", {})],
+        ),
         # no closing tag at the very end (the turn ended), junk after the object inside the tag
         ('<tool_call>{"name": "add", "arguments": {"a": 2}}', "", [("add", {"a": 2})]),
         ('<tool_call>{"name": "add", "arguments": {"a": 2}}}</tool_call>', "", [("add", {"a": 2})]),
         # lenient: bare and fenced JSON, "parameters", a list of calls
         ('{"name": "add", "parameters": {"a": 3}}', "", [("add", {"a": 3})]),
-        ('```json\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n```', "", [("get_weather", {"city": "Oslo"})]),
-        ('[{"name": "add", "arguments": {}}, {"name": "get_weather", "arguments": {}}]', "", [("add", {}), ("get_weather", {})]),
+        (
+            '```json\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n```',
+            "",
+            [("get_weather", {"city": "Oslo"})],
+        ),
+        (
+            '[{"name": "add", "arguments": {}}, {"name": "get_weather", "arguments": {}}]',
+            "",
+            [("add", {}), ("get_weather", {})],
+        ),
     ],
 )
 def test_parses_calls(text, content, calls):
@@ -66,8 +98,12 @@ def test_invalid_calls_stay_content(text):
 def test_call_ids_are_unique_and_arguments_are_json_strings():
     _, calls = parse_tool_calls('<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>' * 2, NAMES)
     assert calls[0].id != calls[1].id and calls[0].id.startswith("call_")
-    assert calls[0].to_openai(0) == {"index": 0, "id": calls[0].id, "type": "function",
-                                     "function": {"name": "add", "arguments": '{"a": 1}'}}
+    assert calls[0].to_openai(0) == {
+        "index": 0,
+        "id": calls[0].id,
+        "type": "function",
+        "function": {"name": "add", "arguments": '{"a": 1}'},
+    }
 
 
 @pytest.mark.parametrize(
@@ -113,8 +149,10 @@ def test_tool_conversation_renders_byte_stable(template):
     call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
     turns = [
         [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Weather in Paris?"}],
-        [{"role": "assistant", "content": None, "tool_calls": [call]},
-         {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}],
+        [
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+        ],
         [{"role": "assistant", "content": "It is sunny."}, {"role": "user", "content": "Thanks"}],
     ]
     history, prompts = [], []
@@ -122,12 +160,14 @@ def test_tool_conversation_renders_byte_stable(template):
         history += new
         msgs = with_system_text(name_tool_results(history), extra)
         if i == 0:  # a forced call on the first turn opens the model's turn
-            msgs.append({"role": "assistant", "content": opening({"function": {"name": "get_weather"}}), "prefix": True})
+            msgs.append(
+                {"role": "assistant", "content": opening({"function": {"name": "get_weather"}}), "prefix": True}
+            )
         prompts.append(template.render(msgs))
     assert prompts[0].endswith('<tool_call>{"name": "get_weather", "arguments":')
     assert prompts[1].startswith(prompts[0])  # the completed call continues the opened turn
     assert prompts[2].startswith(prompts[1])
-    assert "<tool_response name=\"get_weather\">" in prompts[1] or "<|im_start|>tool" in prompts[1]
+    assert '<tool_response name="get_weather">' in prompts[1] or "<|im_start|>tool" in prompts[1]
     assert prompts[0].count(extra) == 1
 
 
@@ -139,8 +179,11 @@ def test_with_system_text_merges_into_the_first_system_message():
 
 
 def test_name_tool_results_from_earlier_calls():
-    msgs = [{"role": "assistant", "tool_calls": [{"id": "c9", "function": {"name": "add", "arguments": "{}"}}]},
-            {"role": "tool", "tool_call_id": "c9", "content": "3"}, {"role": "tool", "tool_call_id": "zz", "content": "?"}]
+    msgs = [
+        {"role": "assistant", "tool_calls": [{"id": "c9", "function": {"name": "add", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "c9", "content": "3"},
+        {"role": "tool", "tool_call_id": "zz", "content": "?"},
+    ]
     out = name_tool_results(msgs)
     assert out[1]["name"] == "add" and "name" not in out[2]
 
@@ -166,8 +209,8 @@ def test_json_instruction_and_validation():
 
 # -- a request made ready for the engine ------------------------------------------------------
 def prepared(header: str | None = None, **body):
-    from kvshelf.completions import prepare
-    from kvshelf.openai_api import ChatCompletionRequest
+    from kvshelf.serving.completions import prepare
+    from kvshelf.serving.openai_api import ChatCompletionRequest
 
     body.setdefault("messages", [{"role": "user", "content": "hi"}])
     return prepare(ChatCompletionRequest.model_validate(body), header, default_max_tokens=99)
@@ -204,17 +247,24 @@ def test_prepare_json_mode_and_tool_results():
     turn = prepared(response_format={"type": "json_object"})
     assert turn.json_mode and turn.opening == "{" and "JSON" in turn.messages[0]["content"]
     call = {"id": "c1", "type": "function", "function": {"name": "add", "arguments": "{}"}}
-    turn = prepared(tools=TOOLS, messages=[{"role": "user", "content": "1+2?"},
-                                           {"role": "assistant", "tool_calls": [call]},
-                                           {"role": "tool", "tool_call_id": "c1", "content": "3"}])
+    turn = prepared(
+        tools=TOOLS,
+        messages=[
+            {"role": "user", "content": "1+2?"},
+            {"role": "assistant", "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "c1", "content": "3"},
+        ],
+    )
     assert turn.messages[-1]["name"] == "add"
 
 
 def test_jinja_templates_open_the_assistant_turn_too():
-    from kvshelf.template import JinjaTemplate
+    from kvshelf.model.template import JinjaTemplate
 
-    source = ("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}</s>{% endfor %}"
-              "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    source = (
+        "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}</s>{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+    )
     template, msgs = JinjaTemplate(source), [{"role": "user", "content": "hi"}]
     opened = template.render([*msgs, {"role": "assistant", "content": "{", "prefix": True}])
     assert opened == template.render(msgs) + "{"

@@ -11,31 +11,59 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import kvshelf  # noqa: F401  (OpenBLAS before mlx)
 import mlx.core as mx
 from mlx.utils import tree_flatten
 from mlx_lm.utils import _get_classes
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
+import kvshelf  # noqa: F401  (OpenBLAS before mlx)
+
 VOCAB = 130  # 128 ASCII bytes + <s> + </s>: every generated id decodes to valid text
 
 CONFIGS = {
     "llama": dict(
-        model_type="llama", hidden_size=128, num_hidden_layers=2, intermediate_size=256,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=64, rms_norm_eps=1e-5,
-        vocab_size=VOCAB, tie_word_embeddings=True, max_position_embeddings=4096,
+        model_type="llama",
+        hidden_size=128,
+        num_hidden_layers=2,
+        intermediate_size=256,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        rms_norm_eps=1e-5,
+        vocab_size=VOCAB,
+        tie_word_embeddings=True,
+        max_position_embeddings=4096,
     ),
     "gemma3_text": dict(
-        model_type="gemma3_text", hidden_size=64, num_hidden_layers=4, intermediate_size=128,
-        num_attention_heads=2, num_key_value_heads=1, head_dim=64, rms_norm_eps=1e-6,
-        vocab_size=VOCAB, sliding_window=16, sliding_window_pattern=2,
-        query_pre_attn_scalar=64, max_position_embeddings=4096,
+        model_type="gemma3_text",
+        hidden_size=64,
+        num_hidden_layers=4,
+        intermediate_size=128,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=64,
+        rms_norm_eps=1e-6,
+        vocab_size=VOCAB,
+        sliding_window=16,
+        sliding_window_pattern=2,
+        query_pre_attn_scalar=64,
+        max_position_embeddings=4096,
     ),
     "deepseek_v2": dict(
-        model_type="deepseek_v2", hidden_size=64, num_hidden_layers=2, intermediate_size=128,
-        num_attention_heads=2, num_key_value_heads=2, kv_lora_rank=32, q_lora_rank=None,
-        qk_rope_head_dim=16, qk_nope_head_dim=48, v_head_dim=32, vocab_size=VOCAB,
-        rms_norm_eps=1e-6, max_position_embeddings=4096,
+        model_type="deepseek_v2",
+        hidden_size=64,
+        num_hidden_layers=2,
+        intermediate_size=128,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        kv_lora_rank=32,
+        q_lora_rank=None,
+        qk_rope_head_dim=16,
+        qk_nope_head_dim=48,
+        v_head_dim=32,
+        vocab_size=VOCAB,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=4096,
         rope_scaling={"type": "yarn", "factor": 1.0, "original_max_position_embeddings": 4096},
     ),
 }

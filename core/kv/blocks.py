@@ -1,0 +1,369 @@
+"""A 4-bit KV cache for one attention layer, full or sliding-window, in 256-token blocks.
+
+mlx-lm quantizes only full-attention caches (``RotatingKVCache.to_quantized`` raises),
+so Gemma 3's sliding layers need this class. It keeps K and V as packed uint32 data
+with 16-bit scales and biases, one quantization group per ``group_size`` channels of
+each token, in a buffer that grows and shrinks a whole 256-token block at a time.
+
+Why this shape:
+- Each token is quantized on its own, so a partial block is as exact as a full one,
+  and cutting the cache back to any position leaves the same bits as if it had
+  never gone further. That is what makes a restore from disk bit-identical.
+- A sliding layer drops its oldest blocks once they are more than one block beyond
+  the window (the "slack" block). Memory stays bounded however long the conversation
+  grows, yet the cache can always rewind a turn's worth of tokens (the next prompt
+  often re-renders the last few tokens of the previous reply differently).
+- Attention reads the quantized blocks directly. For a few query tokens (decode),
+  the cache exposes ``bits`` so that mlx-lm's attention runs ``quantized_matmul``
+  over the packed data. For a long chunk (prefill), ``quantized_matmul`` is 10x slower
+  than dequantizing once and running the fused dense kernel, so the cache then hides
+  ``bits`` and returns the dequantized blocks. Either way every token is seen through
+  its 4-bit representation, including the chunk's own tokens.
+- A forked agent starts on a shared base (``SharedLayer``): whole blocks of a common
+  prefix, held once in RAM however many agents use them, and never written. The
+  cache's own buffer holds only the rows after the base. MLX arrays are values, so
+  the partial block a fork starts with is copied on its first write, not before.
+  Rewinding into the base copies the kept rows into the cache's own buffer first
+  (copy-on-write), so a shared block is never changed under another agent.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.models.cache import _BaseCache
+
+from kvshelf.model.spec import BLOCK_TOKENS, LayerSpec
+
+# Up to this many query tokens, attention runs quantized_matmul on the packed blocks
+# (measured on the CPU: best for one query, worse than dequantize + dense from 4 up).
+QUANTIZED_ATTENTION_MAX_QUERY = 1
+SCALE_DTYPE = mx.float16
+
+QTriple = tuple[mx.array, mx.array, mx.array]
+
+
+class SharedLayer:
+    """Whole blocks of one layer's K/V that several agents' caches start with.
+
+    ``rows`` rows, from absolute position ``start``; immutable once built. Caches hold
+    it by reference, so it stays in RAM exactly as long as some resident agent uses it.
+    """
+
+    __slots__ = ("keys", "values", "start", "rows", "__weakref__")
+
+    def __init__(self, keys: QTriple, values: QTriple, start: int) -> None:
+        self.keys, self.values, self.start = keys, values, start
+        self.rows = keys[0].shape[2]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(x.nbytes for x in (*self.keys, *self.values))
+
+    def tail(self, drop: int) -> SharedLayer | None:
+        """The same blocks without the first ``drop`` rows (a window moving past them)."""
+        if drop >= self.rows:
+            return None
+        cut = lambda q: tuple(x[..., drop:, :] for x in q)  # noqa: E731
+        return SharedLayer(cut(self.keys), cut(self.values), self.start + drop)
+
+
+def group_size_for(layer: LayerSpec, preferred: int = 64) -> int:
+    """The largest supported group size that divides both K and V head dims."""
+    for g in (preferred, 64, 32):
+        if layer.k_head_dim % g == 0 and layer.v_head_dim % g == 0:
+            return g
+    raise ValueError(
+        f"head dims {layer.k_head_dim}/{layer.v_head_dim} are not multiples of 32; "
+        "kvshelf cannot quantize this model's KV cache"
+    )
+
+
+def _blocks(n: int) -> int:
+    return -(-n // BLOCK_TOKENS)
+
+
+class PackedFetch:
+    """The ``bits`` attribute, present only while the last fetch returned packed data.
+
+    mlx-lm's attention runs ``quantized_matmul`` on any cache that has ``bits``; hiding
+    it makes the same cache hand over dense K/V instead (see the module doc).
+    """
+
+    _bits: int
+    _quantized_fetch: bool = False
+
+    @property
+    def bits(self) -> int:
+        if not self._quantized_fetch:
+            raise AttributeError("bits")
+        return self._bits
+
+
+class QuantizedLayerCache(PackedFetch, _BaseCache):
+    """One layer's K/V in 4-bit blocks; a drop-in cache for mlx-lm attention layers.
+
+    Subclasses (``kvschemes``) change how tokens are coded through a few hooks:
+    ``_write`` (store new tokens), ``_dequantize_keys``/``_dequantize_values`` (the
+    dense path) and ``QUANTIZED_DECODE`` (whether the packed rows can go straight to
+    mlx-lm's ``quantized_matmul``).
+    """
+
+    QUANTIZED_DECODE = True
+
+    def __init__(self, layer: LayerSpec, bits: int = 4, group_size: int = 64):
+        self.layer = layer
+        self.window = layer.window
+        self._bits = bits
+        self.group_size = group_size_for(layer, group_size)
+        self.keys: QTriple | None = None
+        self.values: QTriple | None = None
+        self.start = 0  # absolute position of row 0 (a block boundary)
+        self.offset = 0  # tokens seen so far; mlx-lm uses it as the RoPE offset
+        # Rows 0..base_rows-1 live in the shared base; own buffer row i is row base_rows+i.
+        self.base: SharedLayer | None = None
+        self._quantized_fetch = False
+
+    # -- mlx-lm cache protocol -------------------------------------------------
+    @property
+    def used(self) -> int:
+        return self.offset - self.start
+
+    @property
+    def base_rows(self) -> int:
+        return self.base.rows if self.base is not None else 0
+
+    def start_after(self, n: int) -> int:
+        """Where the buffer will start once ``n`` more tokens arrive.
+
+        A pure function of the current state, so ``make_mask`` (called before the
+        update) and ``update_and_fetch`` agree.
+        """
+        if self.window is None:
+            return self.start
+        keep_from = self.offset - self.window + 1 - BLOCK_TOKENS
+        return max(self.start, keep_from // BLOCK_TOKENS * BLOCK_TOKENS)
+
+    def make_mask(self, n: int, window_size: int | None = None, return_array: bool = False):
+        window = window_size or self.window
+        start = self.start_after(n)
+        if window is None and start == 0:
+            if n == 1:
+                return None
+            if not return_array:
+                return "causal"
+        q_pos = mx.arange(self.offset, self.offset + n)[:, None]
+        k_pos = mx.arange(start, self.offset + n)[None]
+        mask = k_pos <= q_pos
+        if window is not None:
+            if n == 1 and self.offset - start < window and not return_array:
+                return None
+            mask = mask & (k_pos > q_pos - window)
+        return mask
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[Any, Any]:
+        n = keys.shape[2]
+        self._make_room(self.start_after(n), n, keys, values)
+        self._write(keys, values, self.used - self.base_rows)
+        self.offset += n
+        return self.fetch(dense_dtype=keys.dtype, queries=n)
+
+    def _write(self, keys: mx.array, values: mx.array, used: int) -> None:
+        """Store new tokens at own-buffer rows ``used..used+n`` (room is already made).
+
+        The base is whole blocks, so ``used`` and the row count agree modulo a block."""
+        n = keys.shape[2]
+        for buf, new in ((self.keys, self._quantize(keys)), (self.values, self._quantize(values))):
+            for part, x in zip(buf, new):
+                part[..., used : used + n, :] = x
+
+    def fetch(self, dense_dtype: mx.Dtype, queries: int) -> tuple[Any, Any]:
+        """The cached K and V: packed for short queries, dequantized otherwise."""
+        k, v = self._rows(self.keys, "keys"), self._rows(self.values, "values")
+        self._quantized_fetch = self.QUANTIZED_DECODE and queries <= QUANTIZED_ATTENTION_MAX_QUERY
+        if self._quantized_fetch:
+            return k, v
+        return self._dequantize_keys(k, dense_dtype), self._dequantize_values(v, dense_dtype)
+
+    def _rows(self, own: QTriple | None, which: str) -> QTriple:
+        """All valid rows, the shared base's first, as one packed triple."""
+        n = self.used - self.base_rows
+        mine = tuple(x[..., :n, :] for x in own) if own is not None else None
+        if self.base is None:
+            return mine  # type: ignore[return-value]
+        shared = getattr(self.base, which)
+        if not n or mine is None:
+            return shared
+        return tuple(mx.concatenate([b, x], axis=2) for b, x in zip(shared, mine))
+
+    # -- buffer management -------------------------------------------------------
+    def _quantize(self, x: mx.array) -> QTriple:
+        w, s, b = mx.quantize(x, group_size=self.group_size, bits=self._bits)
+        return w, s.astype(SCALE_DTYPE), b.astype(SCALE_DTYPE)
+
+    def _dequantize(self, q: QTriple, dtype: mx.Dtype) -> mx.array:
+        # Widen the scales first: an fp16 dequantize runs 5x slower on the CPU.
+        w, s, b = q
+        return mx.dequantize(w, s.astype(dtype), b.astype(dtype), group_size=self.group_size, bits=self._bits)
+
+    def _dequantize_keys(self, q: QTriple, dtype: mx.Dtype) -> mx.array:
+        return self._dequantize(q, dtype)
+
+    def _dequantize_values(self, q: QTriple, dtype: mx.Dtype) -> mx.array:
+        return self._dequantize(q, dtype)
+
+    def _empty(self, like: mx.array, rows: int) -> QTriple:
+        b, h, _, d = like.shape
+        per_int = 32 // self._bits
+        return (
+            mx.zeros((b, h, rows, d // per_int), dtype=mx.uint32),
+            mx.zeros((b, h, rows, d // self.group_size), dtype=SCALE_DTYPE),
+            mx.zeros((b, h, rows, d // self.group_size), dtype=SCALE_DTYPE),
+        )
+
+    def _make_room(self, new_start: int, n: int, keys: mx.array, values: mx.array) -> None:
+        """Drop blocks before ``new_start`` and grow capacity to fit ``n`` more tokens."""
+        if self.base is not None and new_start > self.start:
+            drop = min(new_start - self.start, self.base.rows)
+            self.base = self.base.tail(drop)
+            self.start += drop
+        if self.keys is None:
+            rows = _blocks(n) * BLOCK_TOKENS
+            self.keys, self.values = self._empty(keys, rows), self._empty(values, rows)
+            self.start = new_start
+            return
+        drop = new_start - self.start
+        own_used = self.used - self.base_rows
+        need = own_used - drop + n
+        capacity = self.keys[0].shape[2]
+        if drop == 0 and need <= capacity:
+            return
+        rows = _blocks(need) * BLOCK_TOKENS
+        keep = own_used - drop
+        grown = []
+        for buf, like in ((self.keys, keys), (self.values, values)):
+            fresh = self._empty(like, rows)
+            grown.append(
+                tuple(
+                    mx.concatenate([x[..., drop : drop + keep, :], f[..., keep:, :]], axis=2)
+                    for x, f in zip(buf, fresh)
+                )
+            )
+        self.keys, self.values = grown
+        self.start = new_start
+
+    def unshare(self) -> None:
+        """Copy the shared base into this cache's own buffer (before writing inside it).
+
+        New array objects throughout: MLX's ``x[...] = y`` updates the object in place,
+        so an object shared with the base would carry writes into other agents' caches.
+        """
+        if self.base is None:
+            return
+
+        def join(shared: QTriple, own: QTriple | None) -> QTriple:
+            if own is None:
+                return tuple(x[..., : x.shape[2], :] for x in shared)
+            return tuple(mx.concatenate([x, o], axis=2) for x, o in zip(shared, own))
+
+        self.keys, self.values = join(self.base.keys, self.keys), join(self.base.values, self.values)
+        self.base = None
+
+    def clone(self) -> QuantizedLayerCache:
+        """A copy that shares every array (and the base) until either side writes."""
+        twin = copy.copy(self)
+        if self.keys is not None:  # new objects: writes go through ``x[...] = y``
+            twin.keys = tuple(x[..., : x.shape[2], :] for x in self.keys)
+            twin.values = tuple(x[..., : x.shape[2], :] for x in self.values)
+        return twin
+
+    def attach_base(self, base: SharedLayer) -> None:
+        """Start on ``base``: its rows replace this cache's first ``base.rows`` rows,
+        which must hold the same data (the caller checked the tokens)."""
+        if base.start != self.start or base.rows > self.used or self.base is not None:
+            raise ValueError("a shared base must cover this cache's first rows")
+        rest = self.used - base.rows
+        if self.keys is not None:
+            if rest:  # own copies of the rows after the base, so the old buffer can go
+                end = base.rows + _blocks(rest) * BLOCK_TOKENS
+                own = lambda q: tuple(mx.contiguous(x[..., base.rows : end, :]) for x in q)  # noqa: E731
+                self.keys, self.values = own(self.keys), own(self.values)
+            else:
+                self.keys = self.values = None
+        self.base = base
+
+    # -- rewind -------------------------------------------------------------------
+    def can_rewind_to(self, position: int) -> bool:
+        """True if the cache can be cut back to ``position`` tokens and stay exact."""
+        if position > self.offset:
+            return False
+        if self.window is None or self.start == 0:
+            return True
+        # The next query, at ``position``, must still see the whole window behind it.
+        return position - self.window + 1 >= self.start
+
+    def rewind_to(self, position: int) -> None:
+        if not self.can_rewind_to(position):
+            raise ValueError(f"cannot rewind a window-{self.window} layer from {self.offset} to {position}")
+        if position - self.start < self.base_rows:
+            self.unshare()
+        self.offset = position
+        if self.keys is not None and self.used == 0 and self.start == 0:
+            self.keys = self.values = None
+
+    def is_trimmable(self) -> bool:
+        return True
+
+    def trim(self, n: int) -> int:
+        n = min(self.offset, n)
+        self.rewind_to(self.offset - n)
+        return n
+
+    def size(self) -> int:
+        return self.offset
+
+    def empty(self) -> bool:
+        return self.keys is None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes this cache holds alone (a shared base is counted once, by the pool)."""
+        if self.keys is None:
+            return 0
+        return sum(x.nbytes for x in (*self.keys, *self.values))
+
+    # -- persistence -----------------------------------------------------------------
+    def export(self) -> dict[str, mx.array]:
+        """This cache's own valid rows (after any shared base), without padding."""
+        n = self.used - self.base_rows
+        if self.keys is None or n <= 0:
+            return {}
+        names = ("w", "s", "b")
+        out = {f"k.{m}": x[..., :n, :] for m, x in zip(names, self.keys)}
+        out.update({f"v.{m}": x[..., :n, :] for m, x in zip(names, self.values)})
+        return out
+
+    def load(self, arrays: dict[str, mx.array], start: int, offset: int, base: SharedLayer | None = None) -> None:
+        """Restore from ``export()`` output: rows ``start..offset`` after ``base``, padded
+        to whole blocks."""
+        self.start, self.offset, self.base = start, offset, base
+        if base is not None and base.start != start:
+            raise ValueError("shared base does not start where the record's layer starts")
+        if not arrays:
+            if offset - start != self.base_rows:
+                raise ValueError("record holds no rows for this layer, header says it has some")
+            self.keys = self.values = None
+            return
+        used = offset - start - self.base_rows
+        rows = _blocks(used) * BLOCK_TOKENS
+
+        def padded(x: mx.array) -> mx.array:
+            if x.shape[2] != used:
+                raise ValueError(f"record holds {x.shape[2]} rows, header says {used}")
+            pad = mx.zeros((*x.shape[:2], rows - used, x.shape[3]), dtype=x.dtype)
+            return mx.concatenate([x, pad], axis=2)
+
+        self.keys = tuple(padded(arrays[f"k.{n}"]) for n in ("w", "s", "b"))
+        self.values = tuple(padded(arrays[f"v.{n}"]) for n in ("w", "s", "b"))

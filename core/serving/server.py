@@ -1,0 +1,363 @@
+"""``kvshelf serve``: an OpenAI-compatible HTTP server in which every agent keeps its cache.
+
+Agent identity: the ``X-Agent-Id`` header names the agent whose cache a request uses;
+without it, the body's ``user`` field does. A request with neither is served
+correctly but ephemerally: nothing is saved, and no agent's cache is read or touched.
+The id must be 1-128 of ``[A-Za-z0-9._:@-]`` (it becomes a file name); anything else
+is a 400, never a silent rewrite.
+
+Endpoints: ``POST /v1/chat/completions`` (JSON or SSE), ``GET /v1/models``,
+``GET /v1/agents``, ``GET``/``DELETE /v1/agents/{id}`` and ``GET /health``. With an
+API key set, every endpoint but ``/health`` wants ``Authorization: Bearer KEY``.
+
+Every error is an OpenAI-style ``{"error": {message, type, param, code}}`` object with
+a 4xx status for a bad request, so clients raise the usual exception types.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
+from contextlib import asynccontextmanager, suppress
+from pathlib import Path
+from typing import Any, TypeVar
+
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.datastructures import Headers
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from kvshelf.errors import InvalidAgentId
+from kvshelf.runtime.engine import AgentBusy, AgentInfo, ChatResult, Engine
+from kvshelf.serving.completions import completion, engine_error, events, model_id, prepare
+from kvshelf.serving.openai_api import (
+    ApiError,
+    AppendRequest,
+    ChatCompletionRequest,
+    ForkRequest,
+    bad_request,
+    error_body,
+    validation_error_body,
+)
+from kvshelf.storage import exclusive
+from kvshelf.storage.agent_id import validate_agent_id
+
+log = logging.getLogger(__name__)
+
+AGENT_HEADER = "x-agent-id"
+DEFAULT_MAX_TOKENS = 2048  # OpenAI's "until the context is full" is minutes of CPU for a looping model
+MAX_BODY_BYTES = 32 << 20
+T = TypeVar("T")
+
+
+class ClientGone(Exception):
+    """The client disconnected before its answer was ready."""
+
+
+class EventStream(StreamingResponse):
+    """An SSE response that closes the engine's stream however it ends (done, error or
+    disconnect): closing it cancels the request, and the engine keeps the agent's cache
+    as far as it got."""
+
+    def __init__(self, content: AsyncIterator[str], engine_stream: AsyncGenerator) -> None:
+        super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self._engine_stream = engine_stream
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._engine_stream.aclose()
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Await ``work``, unless the client goes away first: then cancel it and raise ClientGone.
+
+    Cancelling a task that waits on ``Engine.astream`` cancels the engine's request.
+    """
+    task, watch = asyncio.ensure_future(work), asyncio.ensure_future(_disconnected(request))
+    try:
+        done, _ = await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not task.done():
+            task.cancel()
+    if task in done:
+        return task.result()
+    with suppress(asyncio.CancelledError):
+        await task
+    raise ClientGone
+
+
+# -- the app ---------------------------------------------------------------------------------
+class Guard:
+    """Checks the API key (constant-time) and the body size before anything else runs."""
+
+    def __init__(self, app: ASGIApp, api_key: str | None, max_body_bytes: int) -> None:
+        self.app, self.key, self.max_body = app, (api_key or "").encode(), max_body_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            headers = Headers(scope=scope)
+            refusal = None
+            if self.key and scope["path"] != "/health":
+                scheme, _, token = headers.get("authorization", "").partition(" ")
+                if not token and not scheme:
+                    refusal = (
+                        401,
+                        error_body(
+                            "You didn't provide an API key. Send it as 'Authorization: Bearer KEY' "
+                            "(the key given to 'kvshelf serve --api-key')."
+                        ),
+                    )
+                elif scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.key):
+                    refusal = (401, error_body("Incorrect API key provided.", code="invalid_api_key"))
+            length = headers.get("content-length", "0")
+            if refusal is None and (not length.isdigit() or int(length) > self.max_body):
+                refusal = (
+                    413,
+                    error_body(f"The request body is over {self.max_body} bytes.", code="request_too_large"),
+                )
+            if refusal is not None:
+                status, body = refusal
+                extra = {"WWW-Authenticate": "Bearer"} if status == 401 else None
+                return await JSONResponse(body, status, headers=extra)(scope, receive, send)
+        await self.app(scope, receive, send)
+
+
+def _agent_body(a: AgentInfo) -> dict[str, Any]:
+    return {
+        "id": a.agent_id,
+        "object": "agent",
+        "tokens": a.tokens,
+        "ram_bytes": a.ram_bytes,
+        "disk_bytes": a.disk_bytes,
+        "last_used": a.last_used,
+        "resident": a.resident,
+    }
+
+
+def create_app(
+    engine: Engine,
+    *,
+    api_key: str | None = None,
+    close_engine: bool = True,
+    default_max_tokens: int = DEFAULT_MAX_TOKENS,
+    max_body_bytes: int = MAX_BODY_BYTES,
+) -> FastAPI:
+    """The ASGI app over ``engine``. On shutdown (after uvicorn's grace period has let open
+    requests finish or cancelled them) it closes the engine with ``close_engine``, which
+    flushes pending saves."""
+    name = model_id(engine)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        yield
+        if close_engine:
+            await asyncio.to_thread(engine.close)
+
+    app = FastAPI(title="kvshelf", lifespan=lifespan, docs_url=None, redoc_url=None)
+    router = APIRouter()
+
+    @router.post("/v1/chat/completions", response_model=None)
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        check_max_tokens(body, engine.loaded.context_length)
+        turn = prepare(body, request.headers.get(AGENT_HEADER), default_max_tokens)
+        stream = engine.astream(turn.agent_id, turn.messages, **turn.options)
+
+        async def first() -> str | ChatResult:
+            return await anext(stream)
+
+        async def whole() -> list[str | ChatResult]:
+            return [item async for item in stream]
+
+        try:
+            if not body.stream:
+                return JSONResponse(completion(await unless_disconnected(request, whole()), turn, name))
+            head = await unless_disconnected(request, first())
+        except ClientGone:
+            return Response(status_code=499)  # nobody is left to answer
+        except Exception as exc:
+            await stream.aclose()
+            raise engine_error(exc) from None
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return EventStream(events(stream, head, turn, name, include_usage), stream)
+
+    @router.get("/v1/models")
+    def list_models() -> dict:
+        model = {"id": name, "object": "model", "created": 0, "owned_by": "kvshelf"}
+        return {"object": "list", "data": [{**model, "context_length": engine.loaded.context_length}]}
+
+    @router.post("/v1/tokenize")
+    def tokenize(body: ChatCompletionRequest) -> dict:
+        """How many prompt tokens a chat request is, as rendered for the model (tools and
+        JSON mode included): what clients need for count_tokens / remaining_tokens."""
+        turn = prepare(body, None, default_max_tokens)
+        ids = engine.tokenizer.encode_prompt(engine.loaded.template.render(turn.messages))
+        return {"object": "tokenize", "prompt_tokens": len(ids), "context_length": engine.loaded.context_length}
+
+    @router.get("/v1/agents")
+    def list_agents() -> dict:
+        return {"object": "list", "data": [_agent_body(a) for a in engine.agents()]}
+
+    def not_found(aid: str) -> ApiError:
+        return ApiError(
+            404, error_body(f"No agent {aid!r} has a cache here.", param="agent_id", code="agent_not_found")
+        )
+
+    @router.get("/v1/agents/{agent_id}")
+    def get_agent(agent_id: str) -> dict:
+        aid = path_agent_id(agent_id)
+        for a in engine.agents():
+            if a.agent_id == aid:
+                return _agent_body(a)
+        raise not_found(aid)
+
+    @router.delete("/v1/agents/{agent_id}")
+    def delete_agent(agent_id: str) -> dict:
+        """Erase whatever the agent left, listed or not: a record that was quarantined as
+        corrupt, or a temp file from a crashed save, is the agent's data too."""
+        aid = path_agent_id(agent_id)
+        try:
+            removed = engine.forget(aid)
+        except AgentBusy as exc:
+            raise engine_error(exc) from None
+        if not (removed["files_removed"] or removed["tokens_freed"] or removed["ram_bytes_freed"]):
+            raise not_found(aid)
+        return {
+            "id": aid,
+            "object": "agent.deleted",
+            "deleted": True,
+            "tokens_freed": removed["tokens_freed"],
+            "ram_bytes_freed": removed["ram_bytes_freed"],
+            "files_removed": [Path(p).name for p in removed["files_removed"]],
+        }
+
+    @router.post("/v1/agents/{agent_id}/fork")
+    def fork_agent(agent_id: str, body: ForkRequest) -> dict:
+        """Start another agent from this one's cache; their whole blocks are shared."""
+        src, dst = path_agent_id(agent_id), path_agent_id(body.new_agent)
+        try:
+            info = engine.fork(src, dst)
+        except Exception as exc:  # unknown 404, exists or busy 409, same agent 400
+            raise engine_error(exc) from None
+        return {"object": "agent.fork", **info}
+
+    @router.post("/v1/agents/{agent_id}/append")
+    async def append_agent(agent_id: str, body: AppendRequest) -> JSONResponse:
+        """Prefill the agent's whole conversation so far without generating (a new phase).
+
+        With ``background: true`` it is queued at the lowest priority (prefill ahead) and
+        answered at once with 202."""
+        aid = path_agent_id(agent_id)
+        turn = prepare(body, None, default_max_tokens)
+        try:
+            future = engine.prefill_ahead(aid, turn.messages, background=body.background)
+        except Exception as exc:
+            raise engine_error(exc) from None
+        if body.background:
+            return JSONResponse({"object": "agent.append", "agent_id": aid, "queued": True}, 202)
+        try:
+            usage = await asyncio.wrap_future(future)
+        except Exception as exc:
+            raise engine_error(exc) from None
+        return JSONResponse(
+            {
+                "object": "agent.append",
+                "agent_id": aid,
+                "queued": False,
+                "prompt_tokens": usage.prompt_tokens,
+                "cached_tokens": usage.cached_tokens,
+            }
+        )
+
+    @app.get("/health")
+    def health() -> dict:
+        return {"status": "ok", "model": name}
+
+    app.include_router(router)
+    _install_error_handlers(app)
+    app.add_middleware(Guard, api_key=api_key, max_body_bytes=max_body_bytes)
+    return app
+
+
+def path_agent_id(agent_id: str) -> str:
+    try:
+        return validate_agent_id(agent_id)
+    except InvalidAgentId as exc:
+        raise bad_request(str(exc), "agent_id", "invalid_agent_id") from None
+
+
+def check_max_tokens(body: ChatCompletionRequest, context_length: int) -> None:
+    """A 400 for a reply longer than the whole context, as OpenAI answers one over a model's limit.
+
+    Anything up to the context is accepted and cut to what the prompt leaves room for.
+    """
+    for param in ("max_completion_tokens", "max_tokens"):
+        asked = getattr(body, param)
+        if asked is not None and asked > context_length:
+            raise bad_request(
+                f"{param} is too large: {asked}. This model's context is {context_length} tokens, prompt included.",
+                param,
+                "invalid_value",
+            )
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
+        return JSONResponse(exc.body, exc.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return JSONResponse(validation_error_body(exc.errors()), 400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        codes = {400: "invalid_json", 404: "not_found", 405: "method_not_allowed"}  # 400: FastAPI's body parser
+        message = f"{request.method} {request.url.path}: {exc.detail}"
+        return JSONResponse(error_body(message, code=codes.get(exc.status_code)), exc.status_code, headers=exc.headers)
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, exc: Exception) -> JSONResponse:
+        err = engine_error(exc)
+        return JSONResponse(err.body, err.status)
+
+
+def serve(
+    model: str | Path = "embedded",
+    *,
+    cache_dir: str | Path | None = None,
+    budget: int | str | None = None,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    api_key: str | None = None,
+    log_level: str = "info",
+) -> None:
+    """Load the model and serve until SIGINT/SIGTERM; shutdown flushes pending saves.
+
+    The engine is durable: a response is sent once the agent's turn is on disk (its
+    ``kvshelf.saved`` says so), so a turn a client was answered survives a crash. A
+    second server on the same store directory exits with a message (see ``exclusive``).
+    """
+    import uvicorn
+
+    if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
+        log.warning("serving on %s without an API key: anyone who can reach it can read and erase agents", host)
+    engine = Engine(model, cache_dir, budget, durable=True)
+    try:
+        held = exclusive.claim(engine.store.directory)  # noqa: F841  (held for the life of the process)
+    except exclusive.DirectoryInUse as exc:
+        engine.close()
+        raise SystemExit(f"kvshelf serve: {exc}") from None
+    app = create_app(engine, api_key=api_key)
+    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=10)

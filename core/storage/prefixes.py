@@ -1,0 +1,115 @@
+"""Shared prefixes on disk: one record per prefix, and a marker file per agent using it.
+
+``kvshelf.kv.shared`` holds a prefix in RAM; this module stores it once under
+``shared/<fingerprint>/<prefix id>.safetensors`` with one marker per user
+(``<prefix id>.users/<agent id>``), and keeps the live objects in a weak registry so
+every resident agent that starts on a prefix uses the same blocks.
+
+Reference counting is those marker files. A marker is written before the agent's
+record that needs it and removed only after that record no longer needs it, so a crash
+can leave an unused prefix behind (reclaimed when the last marker goes) but never a
+record whose prefix is missing.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import threading
+import weakref
+from pathlib import Path
+
+import mlx.core as mx
+
+from kvshelf.kv.shared import SharedPrefix
+from kvshelf.model.spec import ModelCacheSpec
+from kvshelf.storage.agent_id import validate_agent_id
+from kvshelf.storage.records import RecordStore
+
+log = logging.getLogger(__name__)
+
+
+class SharedPrefixes:
+    """Shared prefixes in RAM (weakly, by id) and on disk (with user markers)."""
+
+    def __init__(self, cache_dir: Path, fingerprint: str, spec: ModelCacheSpec) -> None:
+        self.store = RecordStore(Path(cache_dir) / "shared", fingerprint)
+        self.spec = spec
+        self._live: weakref.WeakValueDictionary[str, SharedPrefix] = weakref.WeakValueDictionary()
+        self._lock = threading.Lock()  # markers are touched from the I/O and worker threads
+
+    @property
+    def directory(self) -> Path:
+        return self.store.directory
+
+    def _users_dir(self, pid: str) -> Path:
+        return self.directory / f"{validate_agent_id(pid)}.users"
+
+    # -- RAM ------------------------------------------------------------------------------
+    def intern(self, prefix: SharedPrefix) -> SharedPrefix:
+        """The live object for this prefix's id: the given one unless one is already held."""
+        with self._lock:
+            live = self._live.get(prefix.id)
+            if live is None:
+                self._live[prefix.id] = live = prefix
+            return live
+
+    def get(self, pid: str) -> SharedPrefix | None:
+        """The prefix from RAM, else from disk (verified); None if it is missing or bad."""
+        with self._lock:
+            live = self._live.get(pid)
+        if live is not None:
+            return live
+        record = self.store.load(pid)
+        if record is None:
+            return None
+        try:
+            prefix = SharedPrefix.from_record(pid, self.spec, record)
+        except (ValueError, KeyError) as exc:
+            self.store.quarantine(pid, f"shared prefix does not fit this model: {exc}")
+            return None
+        mx.eval([x for layer in prefix.layers if layer is not None for x in (*layer.keys, *layer.values)])
+        return self.intern(prefix)
+
+    def resident(self) -> list[SharedPrefix]:
+        with self._lock:
+            return list(self._live.values())
+
+    # -- disk ----------------------------------------------------------------------------
+    def ensure_saved(self, prefix: SharedPrefix) -> None:
+        if not self.store.path_for(prefix.id).exists():
+            self.store.save(prefix.id, prefix.to_record(self.spec))
+
+    def add_user(self, pid: str, agent_id: str) -> None:
+        """Mark ``agent_id`` as a user of ``pid`` (before its record refers to it)."""
+        with self._lock:
+            users = self._users_dir(pid)
+            users.mkdir(mode=0o700, parents=True, exist_ok=True)
+            (users / validate_agent_id(agent_id)).touch(mode=0o600)
+
+    def release(self, agent_id: str, keep: str | None = None) -> list[Path]:
+        """Drop ``agent_id``'s markers (but ``keep``'s); delete prefixes left without users.
+
+        Returns the files removed."""
+        removed: list[Path] = []
+        aid = validate_agent_id(agent_id)
+        with self._lock:
+            if not self.directory.is_dir():
+                return removed
+            for marker in sorted(self.directory.glob(f"*.users/{aid}")):
+                pid = marker.parent.name.removesuffix(".users")
+                if pid == keep:
+                    continue
+                marker.unlink(missing_ok=True)
+                removed.append(marker)
+                if not any(marker.parent.iterdir()):
+                    removed.extend(self.store.delete(pid))
+                    shutil.rmtree(marker.parent, ignore_errors=True)
+        return removed
+
+    def users(self, pid: str) -> list[str]:
+        users = self._users_dir(pid)
+        return sorted(p.name for p in users.iterdir()) if users.is_dir() else []
+
+    def on_disk(self) -> list[str]:
+        return self.store.agent_ids()
