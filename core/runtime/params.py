@@ -1,0 +1,69 @@
+"""How a reply is generated: one set of defaults for the engine, the server and the adapters.
+
+The engine's ``chat``/``stream``, ``kvshelf serve`` (for fields a request leaves out)
+and every adapter (in process or remote) build their requests from this one class, so
+one ``ChatKVShelf`` answers alike whether it runs the engine itself or talks to a
+server.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+# OpenAI's own default is "until the context is full", which is minutes of CPU for a
+# small model that loops; 2048 tokens is more than any agent turn we have seen.
+DEFAULT_MAX_TOKENS = 2048
+
+
+@dataclass(frozen=True)
+class GenerationParams:
+    """Sampling and length settings for one reply.
+
+    ``temperature`` 0 is greedy decoding: the same prompt gives the same reply, which
+    is what agent pipelines rerun in CI expect (OpenAI's default of 1 is not used).
+    ``stop`` strings end the reply and are never part of it; ``seed`` makes sampling
+    at a temperature above 0 repeatable.
+    """
+
+    max_tokens: int = DEFAULT_MAX_TOKENS
+    temperature: float = 0.0
+    top_p: float = 1.0
+    stop: tuple[str, ...] = field(default_factory=tuple)
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError("max_tokens must be an integer of at least 1")
+        if not 0.0 <= float(self.temperature) <= 2.0:
+            raise ValueError("temperature must be between 0 and 2")
+        if not 0.0 < float(self.top_p) <= 1.0:
+            raise ValueError("top_p must be in (0, 1]")
+        stop = self.stop
+        if isinstance(stop, str):
+            stop = (stop,)
+        stop = tuple(stop)
+        if any(not isinstance(s, str) or not s for s in stop):
+            raise ValueError("stop must be a non-empty string or a list of them")
+        object.__setattr__(self, "stop", stop)
+
+    @classmethod
+    def of(
+        cls,
+        *,
+        max_tokens: int | None = None,
+        temperature: float | None = None,
+        top_p: float | None = None,
+        stop: str | Sequence[str] | None = None,
+        seed: int | None = None,
+    ) -> GenerationParams:
+        """Build from optional fields (as an OpenAI body or an adapter call gives them):
+        a field left as None takes the default."""
+        d = cls()
+        return cls(
+            max_tokens=d.max_tokens if max_tokens is None else max_tokens,
+            temperature=d.temperature if temperature is None else temperature,
+            top_p=d.top_p if top_p is None else top_p,
+            stop=() if stop is None else ((stop,) if isinstance(stop, str) else tuple(stop)),
+            seed=seed,
+        )
