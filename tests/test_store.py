@@ -28,7 +28,7 @@ import kvshelf  # noqa: F401  (preloads OpenBLAS before mlx)
 from kvshelf.errors import InvalidAgentId, KVShelfError, StorageError
 from kvshelf.kv.record import CacheRecord
 from kvshelf.storage import records as store_module
-from kvshelf.storage.agent_id import validate_agent_id
+from kvshelf.storage.agent_id import AgentId, validate_agent_id
 from kvshelf.storage.records import FORMAT_VERSION, RecordStore
 
 FINGERPRINT = hashlib.sha256(b"model-a").hexdigest()
@@ -262,8 +262,9 @@ def test_str_subclass_cannot_smuggle_a_different_name() -> None:
         def __str__(self) -> str:
             return "../escape"
 
-    assert type(validate_agent_id(Sneaky("alice"))) is str
-    assert validate_agent_id(Sneaky("alice")) == "alice"
+    checked = validate_agent_id(Sneaky("alice"))
+    assert type(checked) is AgentId  # the subclass and its overrides are gone
+    assert checked == "alice" and str(checked) == "alice" and f"{checked}" == "alice"
 
 
 def test_record_symlinked_outside_the_store_is_refused(store: RecordStore, tmp_path: Path) -> None:

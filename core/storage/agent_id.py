@@ -33,14 +33,33 @@ def _shown(agent_id: str) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def validate_agent_id(agent_id: object) -> str:
-    """Return ``agent_id`` if it is a safe agent id, else raise InvalidAgentId.
+class AgentId(str):
+    """An agent id that passed :func:`validate_agent_id`: constructing one validates it.
+
+    Ids are checked once, where they enter kvshelf (the engine's public methods, the
+    server, the adapters); code below that boundary takes ``AgentId`` and trusts it.
+    """
+
+    __slots__ = ()
+
+    def __new__(cls, value: object) -> AgentId:
+        if type(value) is cls:
+            return value  # type: ignore[return-value]
+        return super().__new__(cls, _checked(value))
+
+
+def validate_agent_id(agent_id: object) -> AgentId:
+    """Return ``agent_id`` as an :class:`AgentId` if it is safe, else raise InvalidAgentId.
 
     Accepted: 1 to 128 characters of ``[A-Za-z0-9._:@-]``, starting with a letter
     or digit, not ending with ``.``, without ``..``, and not a Windows device
-    name such as ``CON`` or ``nul.x``. The returned value is a plain ``str``
-    even if a ``str`` subclass was passed.
+    name such as ``CON`` or ``nul.x``.
     """
+    return AgentId(agent_id)
+
+
+def _checked(agent_id: object) -> str:
+    """The plain ``str`` value of ``agent_id`` if it is a safe id, else raise InvalidAgentId."""
     if not isinstance(agent_id, str):
         raise InvalidAgentId(f"agent id must be a str, not {type(agent_id).__name__}")
     # Work on the plain str value: a str subclass could override __str__ or __iter__.
