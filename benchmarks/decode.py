@@ -1,0 +1,261 @@
+"""Decode speed: ms per generated token against the machine's memory-bandwidth floor.
+
+One decode step reads every weight once (and each agent's cached K/V), so its time
+cannot fall below ``bytes read / memory bandwidth``. This script measures, in one run
+and side by side, for each model and context length:
+
+- kvshelf's step with the default KV scheme and with plain per-token Q4, at batch
+  1, 2, 4 and 8 (the scheduler's own path: the model called on the agents' layer
+  caches, one batch view per layer when several agents decode together);
+- mlx-lm's own step on the same model with its fp32 ``KVCache``/``RotatingKVCache``
+  (batch 1: what ``mlx_lm.generate`` runs);
+- the floor: the model's weight bytes (and weights + K/V bytes) divided by the memory
+  bandwidth measured in the same run.
+
+Caches are filled with random K/V of the right shapes (timing does not depend on their
+values), so a 16K context costs seconds to set up instead of minutes of prefill.
+Models: the embedded Gemma 3 270M, and a llama-family model of SmolLM2-135M's shape
+(30 thin layers, GQA) with random weights, built in memory.
+
+    python benchmarks/decode.py [--quick] [--models embedded,llama30] [--contexts 1024,4096,16384]
+
+Run it alone on the machine (``flock -x`` on the agreed lock file): other work on the
+CPU makes every figure here meaningless.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import kvshelf  # noqa: F401  (preloads OpenBLAS, which must come before mlx)
+
+# isort: split
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from common import RESULTS, write_json
+from mlx.utils import tree_flatten, tree_map
+from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.utils import _get_classes
+
+from kvshelf.kv.agent_cache import AgentCache
+from kvshelf.kv.batch import batch_views
+from kvshelf.kv.schemes import DEFAULT_SCHEME, SCHEMES
+from kvshelf.model.loader import load, materialize
+from kvshelf.model.spec import ModelCacheSpec
+
+# SmolLM2-135M's shape: the "llama-family model with 30 thin layers" of issue 14.
+LLAMA30 = dict(
+    model_type="llama",
+    hidden_size=576,
+    num_hidden_layers=30,
+    intermediate_size=1536,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    head_dim=64,
+    rms_norm_eps=1e-5,
+    vocab_size=49152,
+    tie_word_embeddings=True,
+    max_position_embeddings=32768,
+    rope_theta=100000.0,
+)
+
+FILL_CHUNK = 1024
+
+
+def build_model(name: str) -> nn.Module:
+    if name == "embedded":
+        return load("embedded", progress=False).model
+    if name == "llama30":
+        model_cls, args_cls = _get_classes(LLAMA30)
+        model = model_cls(args_cls.from_dict(LLAMA30))
+        mx.random.seed(0)
+        model.update(tree_map(lambda p: (mx.random.normal(p.shape) * 0.02).astype(mx.float32), model.parameters()))
+        materialize(model)
+        return model
+    raise ValueError(f"unknown model {name!r}; known: embedded, llama30")
+
+
+def weight_bytes(model: nn.Module) -> int:
+    return sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+
+
+def bandwidth_gbs(megabytes: int = 512, repeats: int = 7) -> dict[str, float]:
+    """Read bandwidth: the best of several full passes over a large array (MLX and numpy)."""
+    n = megabytes * 2**20 // 4
+    a = mx.random.uniform(shape=(n,))
+    mx.eval(a)
+    best_mx = min(_timed(lambda: mx.eval(mx.sum(a))) for _ in range(repeats))
+    b = np.asarray(a)
+    best_np = min(_timed(lambda: float(b.sum())) for _ in range(repeats))
+    nbytes = n * 4
+    return {"mlx_sum_gbs": nbytes / best_mx / 1e9, "numpy_sum_gbs": nbytes / best_np / 1e9}
+
+
+def _timed(fn: Callable[[], Any]) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def fill(layers: list[Any], spec: ModelCacheSpec, context: int, seed: int) -> None:
+    """Feed ``context`` random tokens' K/V to every layer, in chunks (windows trim as they go)."""
+    key = mx.random.key(seed)
+    for layer, c in zip(spec.layers, layers):
+        for done in range(0, context, FILL_CHUNK):
+            n = min(FILL_CHUNK, context - done)
+            key, k1, k2 = mx.random.split(key, 3)
+            k = mx.random.normal((1, layer.kv_heads, n, layer.k_head_dim), key=k1)
+            v = mx.random.normal((1, layer.kv_heads, n, layer.v_head_dim), key=k2)
+            c.update_and_fetch(k, v)
+            mx.eval([x for x in _state(c) if x is not None])
+
+
+def _state(c: Any) -> list[mx.array]:
+    out = []
+    for name in ("keys", "values", "k_tail", "sink_k", "sink_v"):
+        x = getattr(c, name, None)
+        if isinstance(x, tuple):
+            out.extend(x)
+        elif isinstance(x, mx.array):
+            out.append(x)
+    return out
+
+
+def step_ms(model: nn.Module, agents: list[list[Any]], steps: int, warmup: int) -> list[float]:
+    """Milliseconds per decode step for these agents decoding together (one token each)."""
+    batch = len(agents)
+    x = mx.array([[1]] * batch)
+    times = []
+    for i in range(warmup + steps):
+        t = time.perf_counter()
+        caches = agents[0] if batch == 1 else batch_views(agents)
+        logits = model(x, cache=caches)[:, -1]
+        token = mx.argmax(logits, axis=-1)
+        mx.eval(token, [a for layers in agents for c in layers for a in _state(c)])
+        if i >= warmup:
+            times.append((time.perf_counter() - t) * 1e3)
+    return times
+
+
+def kv_bytes(agents: list[list[Any]]) -> int:
+    return sum(a.nbytes for layers in agents for c in layers for a in _state(c))
+
+
+def run(models: list[str], contexts: list[int], batches: list[int], steps: int, warmup: int) -> dict:
+    bw = bandwidth_gbs()
+    gbs = max(bw.values())
+    print(f"memory bandwidth: {bw['mlx_sum_gbs']:.2f} GB/s (mlx sum), {bw['numpy_sum_gbs']:.2f} GB/s (numpy sum)")
+    rows = []
+    for name in models:
+        model = build_model(name)
+        spec = ModelCacheSpec.from_model(model)
+        wbytes = weight_bytes(model)
+        floor_ms = wbytes / (gbs * 1e9) * 1e3
+        print(f"\n{name}: {len(spec.layers)} layers, weights {wbytes / 1e9:.3f} GB, floor {floor_ms:.1f} ms/step")
+        for context in contexts:
+            peer = make_prompt_cache(model)
+            fill(peer, spec, context, seed=1)
+            t = step_ms(model, [peer], steps, warmup)
+            peer_bytes = kv_bytes([peer])
+            rows.append(_row(name, context, "mlx-lm fp32 KV", 1, t, floor_ms, wbytes, peer_bytes, gbs))
+            del peer
+            for scheme in (DEFAULT_SCHEME, "q4-g64-per-token-v1"):
+                agents = []
+                for b in range(max(batches)):
+                    cache = AgentCache.empty(spec, SCHEMES[scheme])
+                    fill(cache.layers, spec, context, seed=10 + b)
+                    agents.append(cache.layers)
+                for batch in batches:
+                    members = [_clone(layers) for layers in agents[:batch]]
+                    t = step_ms(model, members, steps, warmup)
+                    rows.append(_row(name, context, scheme, batch, t, floor_ms, wbytes, kv_bytes(members), gbs))
+                del agents
+        del model
+    return {"bandwidth": bw, "steps": steps, "warmup": warmup, "rows": rows}
+
+
+def _clone(layers: list[Any]) -> list[Any]:
+    """A copy whose decode steps leave the original at its context length."""
+    return [c.clone() for c in layers]
+
+
+def _row(
+    model: str,
+    context: int,
+    path: str,
+    batch: int,
+    times: list[float],
+    floor_ms: float,
+    wbytes: int,
+    kvb: int,
+    gbs: float,
+) -> dict:
+    med = statistics.median(times)
+    floor_kv_ms = (wbytes + kvb) / (gbs * 1e9) * 1e3
+    row = {
+        "model": model,
+        "context": context,
+        "path": path,
+        "batch": batch,
+        "ms_per_step": round(med, 1),
+        "ms_min": round(min(times), 1),
+        "ms_max": round(max(times), 1),
+        "tokens_per_s": round(batch * 1e3 / med, 2),
+        "x_floor": round(med / floor_ms, 2),
+        "x_floor_with_kv": round(med / floor_kv_ms, 2),
+        "floor_ms": round(floor_ms, 1),
+        "kv_mb": round(kvb / 1e6, 1),
+    }
+    print(
+        f"  {context:>6d} {path:<22s} batch {batch}: {med:7.1f} ms/step  {row['tokens_per_s']:6.2f} tok/s  "
+        f"{row['x_floor']:.2f}x floor ({row['x_floor_with_kv']:.2f}x with KV)"
+    )
+    return row
+
+
+def chart(result: dict) -> None:
+    from kvbench.charts import bars
+
+    for model in sorted({r["model"] for r in result["rows"]}):
+        rows = [r for r in result["rows"] if r["model"] == model and r["batch"] == 1]
+        contexts = sorted({r["context"] for r in rows})
+        paths = sorted({r["path"] for r in rows})
+        series = {
+            p: [next((r["ms_per_step"] for r in rows if r["path"] == p and r["context"] == c), 0.0) for c in contexts]
+            for p in paths
+        }
+        series["floor (weights / bandwidth)"] = [rows[0]["floor_ms"]] * len(contexts)
+        bars(
+            RESULTS / f"decode-{model}.png",
+            f"Decode step at batch 1, {model}",
+            "ms per token",
+            [f"{c // 1024}K" for c in contexts],
+            series,
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="1K context, batch 1 and 4, 4 steps")
+    parser.add_argument("--models", default="embedded,llama30")
+    parser.add_argument("--contexts", default="1024,4096,16384")
+    parser.add_argument("--batches", default="1,2,4,8")
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--warmup", type=int, default=2)
+    args = parser.parse_args()
+    contexts = [1024] if args.quick else [int(c) for c in args.contexts.split(",")]
+    batches = [1, 4] if args.quick else [int(b) for b in args.batches.split(",")]
+    steps = 4 if args.quick else args.steps
+    result = run(args.models.split(","), contexts, batches, steps, args.warmup)
+    path = write_json("decode", result)
+    chart(result)
+    print(f"\nwrote {path}")
+
+
+if __name__ == "__main__":
+    main()
