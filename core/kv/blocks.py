@@ -164,11 +164,15 @@ class QuantizedLayerCache(PackedFetch, _BaseCache):
         return mask
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[Any, Any]:
+        self.append(keys, values)
+        return self.fetch(dense_dtype=keys.dtype, queries=keys.shape[2])
+
+    def append(self, keys: mx.array, values: mx.array) -> None:
+        """Store new tokens without fetching (a decode working set reads only the new rows)."""
         n = keys.shape[2]
         self._make_room(self.start_after(n), n, keys, values)
         self._write(keys, values, self.used - self.base_rows)
         self.offset += n
-        return self.fetch(dense_dtype=keys.dtype, queries=n)
 
     def _write(self, keys: mx.array, values: mx.array, used: int) -> None:
         """Store new tokens at own-buffer rows ``used..used+n`` (room is already made).
@@ -197,6 +201,34 @@ class QuantizedLayerCache(PackedFetch, _BaseCache):
         if not n or mine is None:
             return shared
         return tuple(mx.concatenate([b, x], axis=2) for b, x in zip(shared, mine))
+
+    # -- rows for a decode working set (kvshelf.kv.working_set) ---------------------
+    def packed_rows(self, which: str, lo: int, hi: int) -> QTriple:
+        """The packed ``keys`` or ``values`` of positions ``lo..hi`` (within ``start..offset``),
+        shared base rows included; a copy only where the range straddles base and own rows."""
+        a, b, nb = lo - self.start, hi - self.start, self.base_rows
+        parts = []
+        if a < nb:
+            parts.append(tuple(x[..., a : min(b, nb), :] for x in getattr(self.base, which)))
+        if b > nb:
+            parts.append(tuple(x[..., max(a, nb) - nb : b - nb, :] for x in getattr(self, which)))
+        if len(parts) == 1:
+            return parts[0]
+        return tuple(mx.concatenate(list(p), axis=2) for p in zip(*parts))  # type: ignore[return-value]
+
+    def attention_rows(self, lo: int, hi: int, dtype: mx.Dtype, dense: bool = False) -> tuple[Any, Any]:
+        """K and V of positions ``lo..hi`` exactly as ``fetch`` hands them to one query:
+        packed triples where ``QUANTIZED_DECODE`` (unless ``dense``), else dequantized."""
+        k, v = self.packed_rows("keys", lo, hi), self.packed_rows("values", lo, hi)
+        if self.QUANTIZED_DECODE and not dense:
+            return k, v
+        return self._dequantize(k, dtype), self._dequantize(v, dtype)
+
+    @property
+    def stable_until(self) -> int:
+        """Positions below this keep their ``attention_rows`` until the cache is rewound;
+        later ones may change when more tokens arrive (a per-channel key block filling)."""
+        return self.offset
 
     # -- buffer management -------------------------------------------------------
     def _quantize(self, x: mx.array) -> QTriple:

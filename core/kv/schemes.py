@@ -30,6 +30,7 @@ Rewinding into an already quantized block turns its kept rows back into an fp16 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import mlx.core as mx
 
@@ -177,6 +178,40 @@ class SchemeLayerCache(QuantizedLayerCache):
         x = self._dequantize(q, dtype)
         x = _rotate(x) if self.scheme.rotate_values else x
         return self._with_sinks(x, self.sink_v)
+
+    # -- rows for a decode working set ----------------------------------------------------
+    @property
+    def stable_until(self) -> int:
+        if self.scheme.channel_keys and self.k_tail is not None:
+            return self.offset - self.k_tail.shape[2]
+        return self.offset
+
+    def attention_rows(self, lo: int, hi: int, dtype: mx.Dtype, dense: bool = False) -> tuple[Any, Any]:
+        """Rows ``lo..hi`` of what ``fetch`` returns, computed row for row the same way."""
+        v = self._dequantize(self.packed_rows("values", lo, hi), dtype)
+        v = _rotate(v) if self.scheme.rotate_values else v
+        if not self.scheme.channel_keys:
+            k = self._dequantize(self.packed_rows("keys", lo, hi), dtype)
+            k = _rotate(k) if self.scheme.rotate_keys else k
+        else:
+            full = self.stable_until  # whole quantized blocks end here, the fp16 tail begins
+            parts = []
+            if lo < full:  # whole blocks (block-aligned from ``start``) around lo..min(hi, full)
+                b0 = self.start + (lo - self.start) // BLOCK_TOKENS * BLOCK_TOKENS
+                b1 = self.start + -(-(min(hi, full) - self.start) // BLOCK_TOKENS) * BLOCK_TOKENS
+                block = self._dequantize_blocks(self.packed_rows("keys", b0, b1), dtype)
+                parts.append(block[..., lo - b0 : min(hi, full) - b0, :])
+            if hi > full:
+                parts.append(self.k_tail[..., max(lo, full) - full : hi - full, :].astype(dtype))
+            k = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=2)
+        return self._sink_rows(k, self.sink_k, lo, hi), self._sink_rows(v, self.sink_v, lo, hi)
+
+    def _sink_rows(self, x: mx.array, sink: mx.array | None, lo: int, hi: int) -> mx.array:
+        """``_with_sinks`` for rows ``lo..hi``: sink positions among them read the fp16 copy."""
+        if sink is None or self.start != 0 or lo >= sink.shape[2]:
+            return x
+        m = min(hi, sink.shape[2])
+        return mx.concatenate([sink[..., lo:m, :].astype(x.dtype), x[..., m - lo :, :]], axis=2)
 
     # -- rewind -------------------------------------------------------------------------
     def rewind_to(self, position: int) -> None:

@@ -30,8 +30,8 @@ import numpy as np
 
 from kvshelf.errors import StorageError
 from kvshelf.kv.agent_cache import AgentCache
-from kvshelf.kv.batch import batch_views
 from kvshelf.kv.record import CacheRecord
+from kvshelf.kv.working_set import WorkingSets
 from kvshelf.runtime.results import ChatResult, Usage
 from kvshelf.runtime.sampling import Sampler
 
@@ -170,6 +170,7 @@ class Scheduler:
         self._decoding: list[Request] = []
         self._busy: set[str] = set()
         self._saves: dict[str, Future] = {}
+        self._working = WorkingSets()  # the decoding agents' rows, kept ready across steps
         self._io = IOThread("kvshelf-io")
         self._stopping = False
         self._closed = False
@@ -359,18 +360,16 @@ class Scheduler:
             self._decoding.remove(r)
             self._complete(r)
         if not self._decoding:
+            self._working.clear()
             return False
         batch = list(self._decoding)
         self.stats["decode_steps"] += 1
         self.stats["decoded_tokens"] += len(batch)
         self.stats["max_batch"] = max(self.stats["max_batch"], len(batch))
         x = mx.array([[r.next_token] for r in batch])
-        if len(batch) == 1:
-            caches: list = batch[0].cache.layers
-        else:
-            caches = batch_views([r.cache.layers for r in batch])
+        caches = self._working.caches(batch, [r.cache for r in batch])
         logits = self.engine.model(x, cache=caches)[:, -1]
-        mx.eval(logits, [a for r in batch for a in r.cache.arrays()])
+        mx.eval(logits, [a for r in batch for a in r.cache.arrays()], self._working.arrays())
         for b, r in enumerate(batch):
             r.cache.tokens.append(r.next_token)
             self._accept(r, logits[b])

@@ -1,0 +1,237 @@
+"""The decode working set: the rows attention reads, kept ready while agents decode.
+
+Q4 blocks are the format at rest (RAM budget, disk), but a decode step that reads them
+through the dense path dequantizes and un-rotates every block of every layer, every
+step, though full blocks never change (measured on the embedded Gemma 3 at 1K context:
+170 of a 484 ms step). So while agents decode together, each layer keeps its members'
+rows in the form attention takes (``attention_rows``: dense in the compute dtype and
+un-rotated for the schemes' dense path, packed triples for plain Q4's
+``quantized_matmul``), in one persistent batch buffer per layer:
+
+- made once when the decode run starts (or taken over from the previous run for the
+  members that stay), dropped when the run ends or its membership changes;
+- each step a member's new token is stored in its Q4 blocks as before (``append``),
+  then only that token's row is read back (``attention_rows`` of one position) and
+  written into the buffer's next column. Where the append filled a per-channel key
+  block (KIVI), the block's rows, until then fp16 tail rows, are read back and replace
+  the buffer's. So every value attention sees is the one the cache's own ``fetch`` would
+  return, and the step's results are bit-identical to the per-step dense path;
+- the buffer is left-padded so that every member's next token lands in the same column;
+  attention gets the last ``max(length)`` columns, which is exactly the layout (and the
+  mask, per-agent RoPE offsets and windows) of ``BatchLayerView``. Columns a member does
+  not use (padding, or rows its window has left) are masked; they are zeros or stale
+  finite values, which a masked softmax weighs by exactly zero. Rows no member can see
+  any more are dropped when the buffer grows.
+
+A run is keyed by its members' identities (the scheduler passes its requests), so an
+agent that leaves and comes back (after a rewind, a reload or a fork) is read afresh
+from its blocks, never from stale rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from typing import Any
+
+import mlx.core as mx
+
+from kvshelf.kv.agent_cache import AgentCache
+from kvshelf.kv.batch import BatchLayerView
+from kvshelf.kv.blocks import QuantizedLayerCache
+
+# Free columns added whenever a buffer fills up: a grow copies the buffer, so it comes
+# once every GROW_COLUMNS steps.
+GROW_COLUMNS = 128
+
+Rows = tuple[mx.array, ...]  # one dense array, or a packed (words, scales, biases) triple
+
+
+def _rows(x: Any) -> Rows:
+    return x if isinstance(x, tuple) else (x,)
+
+
+def _fetched(rows: Rows) -> Any:
+    return rows if len(rows) == 3 else rows[0]
+
+
+def _place(x: mx.array, width: int, capacity: int) -> mx.array:
+    """``x``'s rows right-aligned at column ``width`` of ``capacity`` columns, zeros elsewhere."""
+    b, h, n, d = x.shape
+    parts = [mx.zeros((b, h, width - n, d), dtype=x.dtype), x, mx.zeros((b, h, capacity - width, d), dtype=x.dtype)]
+    return mx.concatenate([p for p in parts if p.shape[2]], axis=2)
+
+
+class DecodeLayer(BatchLayerView):
+    """One layer of a decode run: its members' rows in one persistent batch buffer.
+
+    A drop-in cache for mlx-lm attention, one token per member per step. With one member
+    it is that member's cache to the model (its own mask and integer RoPE offset)."""
+
+    def __init__(self, members: list[QuantizedLayerCache], carried: list[tuple[Rows, Rows] | None]):
+        super().__init__(members)
+        self._carried = carried  # rows start..offset of members taken over from a previous run
+        # Dense unless every member hands packed rows to quantized_matmul (plain Q4).
+        self._dense = not all(m.QUANTIZED_DECODE for m in members)
+        self._quantized_fetch = not self._dense
+        self.keys: Rows | None = None
+        self.values: Rows | None = None
+        self.end = 0  # the column the next token goes into
+        self.synced = [m.offset for m in members]  # member offsets the buffer holds rows up to
+
+    # -- mlx-lm cache protocol ---------------------------------------------------------
+    @property
+    def offset(self) -> Any:
+        if len(self.members) == 1:
+            return self.members[0].offset
+        return super().offset
+
+    def make_mask(self, n: int, window_size: int | None = None, return_array: bool = False) -> Any:
+        if len(self.members) == 1:
+            return self.members[0].make_mask(n, window_size=window_size, return_array=return_array)
+        return super().make_mask(n, window_size, return_array)
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[Any, Any]:
+        if keys.shape[2] != 1:
+            raise ValueError("a decode working set takes one token per agent per step")
+        if self.keys is None or self.values is None:
+            self._build(keys.dtype)
+        self._make_room()
+        new_k, new_v, refreshed = [], [], []
+        for b, m in enumerate(self.members):
+            stable, old = m.stable_until, m.offset
+            m.append(keys[b : b + 1], values[b : b + 1])
+            lo = stable if m.stable_until > stable else old  # a key block filled: re-read it
+            k, v = (_rows(x) for x in m.attention_rows(lo, m.offset, keys.dtype, self._dense))
+            new_k.append(tuple(x[..., -1:, :] for x in k))
+            new_v.append(tuple(x[..., -1:, :] for x in v))
+            if lo < old:
+                refreshed.append((b, old - lo, k, v))
+        col = self.end
+        self.keys = self._write(self.keys, slice(None), col, [mx.concatenate(p, axis=0) for p in zip(*new_k)])
+        self.values = self._write(self.values, slice(None), col, [mx.concatenate(p, axis=0) for p in zip(*new_v)])
+        for b, n, k, v in refreshed:
+            self.keys = self._write(self.keys, slice(b, b + 1), col - n, [x[..., :n, :] for x in k])
+            self.values = self._write(self.values, slice(b, b + 1), col - n, [x[..., :n, :] for x in v])
+        self.end = col + 1
+        self.synced = [m.offset for m in self.members]
+        width = max(m.offset - m.start for m in self.members)
+        cut = lambda buf: _fetched(tuple(x[..., self.end - width : self.end, :] for x in buf))  # noqa: E731
+        return cut(self.keys), cut(self.values)
+
+    # -- the buffer ----------------------------------------------------------------------
+    @staticmethod
+    def _write(buf: Rows, rows: slice, col: int, new: list[mx.array]) -> Rows:
+        for x, y in zip(buf, new):
+            x[rows, :, col : col + y.shape[2], :] = y
+        return buf
+
+    def _build(self, dtype: mx.Dtype) -> None:
+        """Gather every member's rows ``start..offset`` once, left-padded into one buffer."""
+        keys, values = [], []
+        for m, carried in zip(self.members, self._carried):
+            k, v = carried if carried is not None else m.attention_rows(m.start, m.offset, dtype, self._dense)
+            keys.append(_rows(k))
+            values.append(_rows(v))
+        self._carried = [None] * len(self.members)
+        width = max(m.offset - m.start for m in self.members)
+        capacity = width + GROW_COLUMNS
+        stack = lambda rows: tuple(  # noqa: E731
+            mx.concatenate([_place(r[i], width, capacity) for r in rows], axis=0) for i in range(len(rows[0]))
+        )
+        self.keys, self.values = stack(keys), stack(values)
+        self.end = width
+
+    def _make_room(self) -> None:
+        """Grow by GROW_COLUMNS when full, keeping only the columns some member still reads."""
+        assert self.keys is not None and self.values is not None
+        if self.end < self.keys[0].shape[2]:
+            return
+        width = max(m.offset - m.start for m in self.members)
+        capacity = width + GROW_COLUMNS
+        regrow = lambda buf: tuple(_place(x[..., self.end - width : self.end, :], width, capacity) for x in buf)  # noqa: E731
+        self.keys, self.values = regrow(self.keys), regrow(self.values)
+        self.end = width
+
+    def member_rows(self, b: int) -> tuple[Rows, Rows] | None:
+        """Member ``b``'s rows ``start..offset`` (None before the first step built them)."""
+        if self.keys is None or self.values is None:
+            return self._carried[b]
+        m = self.members[b]
+        n = m.offset - m.start
+        cut = lambda buf: tuple(x[b : b + 1, :, self.end - n : self.end, :] for x in buf)  # noqa: E731
+        return cut(self.keys), cut(self.values)
+
+    def arrays(self) -> list[mx.array]:
+        return [*(self.keys or ()), *(self.values or ())]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(x.nbytes for x in self.arrays())
+
+
+class DecodeRun:
+    """One decode batch's working set: a ``DecodeLayer`` per model layer.
+
+    ``keys`` identify the members (the scheduler's requests); ``previous`` is the run
+    before a membership change, whose rows the staying members bring along."""
+
+    def __init__(self, keys: Sequence[Hashable], agents: Sequence[AgentCache], previous: DecodeRun | None = None):
+        self.keys = list(keys)
+        self.agents = list(agents)
+        index = previous._index() if previous is not None else {}
+        layers = []
+        for i, per_layer in enumerate(zip(*(a.layers for a in self.agents))):
+            carried = []
+            for key, cache in zip(self.keys, per_layer):
+                old = index.get(key)
+                carried.append(previous.layers[i].member_rows(old) if previous and old is not None else None)
+            layers.append(DecodeLayer(list(per_layer), carried))
+        self.layers = layers
+
+    def _index(self) -> dict[Hashable, int]:
+        """Members whose rows are still current: same caches, no token added or removed since."""
+        return {key: b for b, key in enumerate(self.keys) if self._current(b, self.agents[b])}
+
+    def _current(self, b: int, agent: AgentCache) -> bool:
+        return len(agent.layers) == len(self.layers) and all(
+            layer.members[b] is c and layer.synced[b] == c.offset for layer, c in zip(self.layers, agent.layers)
+        )
+
+    def serves(self, keys: Sequence[Hashable], agents: Sequence[AgentCache]) -> bool:
+        return (
+            list(keys) == self.keys
+            and all(a is mine for a, mine in zip(agents, self.agents))
+            and all(self._current(b, a) for b, a in enumerate(agents))
+        )
+
+    def arrays(self) -> list[mx.array]:
+        return [x for layer in self.layers for x in layer.arrays()]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(layer.nbytes for layer in self.layers)
+
+
+class WorkingSets:
+    """What a step loop asks for "the caches for this batch": the current run while its
+    members are unchanged, a new one (taking over the staying members' rows) otherwise."""
+
+    def __init__(self) -> None:
+        self.run: DecodeRun | None = None
+
+    def caches(self, keys: Sequence[Hashable], agents: Sequence[AgentCache]) -> list[DecodeLayer]:
+        if self.run is None or not self.run.serves(keys, agents):
+            self.run = DecodeRun(keys, agents, self.run)
+        return self.run.layers
+
+    def clear(self) -> None:
+        """Drop every row (no agent is decoding)."""
+        self.run = None
+
+    def arrays(self) -> list[mx.array]:
+        return self.run.arrays() if self.run is not None else []
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the working set holds on top of the agents' Q4 blocks."""
+        return self.run.nbytes if self.run is not None else 0

@@ -1,0 +1,149 @@
+"""The decode working set is exact: a step through it gives bit-identical logits to the
+per-step path (each cache's own ``update_and_fetch``, or ``BatchLayerView`` for a batch),
+across a per-channel key block filling, a window eviction, a shared base, a restore from
+a record and batch membership changes; batched greedy decode equals one-by-one."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from kvshelf.kv.agent_cache import AgentCache
+from kvshelf.kv.batch import batch_views
+from kvshelf.kv.schemes import DEFAULT_SCHEME, SCHEMES
+from kvshelf.kv.working_set import WorkingSets
+from kvshelf.model.loader import load
+from kvshelf.model.spec import BLOCK_TOKENS
+
+KINDS = ["llama", "gemma3_text", "deepseek_v2"]
+SCHEME_NAMES = [DEFAULT_SCHEME, "q4-g64-per-token-v1"]
+# Prompts end shortly before a 256-token block fills; decoding STEPS tokens crosses
+# the boundary (a KIVI key block is quantized) and, for gemma3_text's 16-token window,
+# the sliding layers' start moves a block on (at 527 tokens).
+PROMPT_LENGTHS = [500, 230]
+STEPS = 40
+
+
+@pytest.fixture(scope="module")
+def models(tiny_dirs):
+    return {kind: load(tiny_dirs[kind], progress=False) for kind in KINDS}
+
+
+def prompt(n: int, seed: int) -> list[int]:
+    return np.random.default_rng(seed).integers(0, 128, n).tolist()
+
+
+def prefilled(loaded, scheme: str, tokens: list[int]) -> tuple[AgentCache, int]:
+    cache = AgentCache.empty(loaded.spec, SCHEMES[scheme])
+    logits = loaded.model(mx.array(tokens)[None], cache=cache.layers)[0, -1]
+    mx.eval(logits, cache.arrays())
+    cache.tokens = list(tokens)
+    return cache, int(mx.argmax(logits).item())
+
+
+def step(loaded, agents: list[AgentCache], tokens: list[int], caches) -> list[np.ndarray]:
+    """One decode step; every agent's next-token logits (their greedy tokens are appended)."""
+    logits = loaded.model(mx.array([[t] for t in tokens]), cache=caches)[:, -1]
+    mx.eval(logits, [a for c in agents for a in c.arrays()])
+    for c, t in zip(agents, tokens):
+        c.tokens.append(t)
+    return [np.array(row) for row in logits]
+
+
+def old_caches(agents: list[AgentCache]):
+    return agents[0].layers if len(agents) == 1 else batch_views([a.layers for a in agents])
+
+
+def decode(loaded, agents, first, steps, working: WorkingSets | None, schedule=None):
+    """Greedy decode; ``schedule(i)`` picks the members of step i (default: all)."""
+    tokens, out = list(first), [[] for _ in agents]
+    for i in range(steps):
+        members = schedule(i) if schedule else list(range(len(agents)))
+        group = [agents[b] for b in members]
+        caches = working.caches(members, group) if working is not None else old_caches(group)
+        rows = step(loaded, group, [tokens[b] for b in members], caches)
+        if working is not None:
+            mx.eval(working.arrays())
+        for b, row in zip(members, rows):
+            out[b].append(row)
+            tokens[b] = int(row.argmax())
+    return tokens, out
+
+
+def assert_identical(a: list[list[np.ndarray]], b: list[list[np.ndarray]]) -> None:
+    assert [len(x) for x in a] == [len(x) for x in b]
+    for agent, (xs, ys) in enumerate(zip(a, b)):
+        for i, (x, y) in enumerate(zip(xs, ys)):
+            assert np.array_equal(x, y), f"agent {agent}, step {i}: max diff {np.abs(x - y).max()}"
+
+
+@pytest.mark.parametrize("scheme", SCHEME_NAMES)
+@pytest.mark.parametrize("kind", KINDS)
+def test_one_agent_is_bit_identical_across_a_block_and_a_window_move(models, kind, scheme):
+    loaded = models[kind]
+    ref, first = prefilled(loaded, scheme, prompt(PROMPT_LENGTHS[0], 1))
+    mine = ref.fork()
+    _, want = decode(loaded, [ref], [first], STEPS, None)
+    working = WorkingSets()
+    _, got = decode(loaded, [mine], [first], STEPS, working)
+    assert_identical(got, want)
+    assert mine.tokens == ref.tokens
+    # the Q4 blocks came out the same: both caches export the same bits
+    a, b = mine.to_record_parts()[0], ref.to_record_parts()[0]
+    assert a.keys() == b.keys() and all(np.array_equal(np.array(a[k]), np.array(b[k])) for k in a)
+    if kind == "gemma3_text":  # the window moved during the run
+        assert any(c.window and c.start > 0 for c in mine.layers)
+    assert working.nbytes > 0
+    working.clear()
+    assert working.nbytes == 0
+
+
+@pytest.mark.parametrize("scheme", SCHEME_NAMES)
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_batch_is_bit_identical_to_batch_views_through_joins_and_leaves(models, kind, scheme):
+    loaded = models[kind]
+    agents, firsts = zip(*(prefilled(loaded, scheme, prompt(n, 10 + i)) for i, n in enumerate([500, 230, 40])))
+
+    def schedule(i: int) -> list[int]:  # agent 2 joins late and leaves early; 1 leaves for good
+        return [0, 1] if i < 5 else ([0, 1, 2] if i < 20 else [0, 2] if i < 30 else [0])
+
+    forks = [a.fork() for a in agents]
+    _, want = decode(loaded, list(agents), list(firsts), STEPS, None, schedule)
+    working = WorkingSets()
+    _, got = decode(loaded, forks, list(firsts), STEPS, working, schedule)
+    assert_identical(got, want)
+
+
+@pytest.mark.parametrize("scheme", SCHEME_NAMES)
+@pytest.mark.parametrize("kind", KINDS)
+def test_batched_greedy_decode_equals_one_by_one(models, kind, scheme):
+    loaded = models[kind]
+    agents, firsts = zip(*(prefilled(loaded, scheme, prompt(n, 20 + i)) for i, n in enumerate([500, 230, 100])))
+    alone = [a.fork() for a in agents]
+    ends, logits = zip(*(decode(loaded, [a], [f], STEPS, WorkingSets()) for a, f in zip(alone, firsts)))
+    together = [a.fork() for a in agents]
+    end, batched = decode(loaded, together, list(firsts), STEPS, WorkingSets())
+    assert end == [e[0] for e in ends]
+    for b, (a, one) in enumerate(zip(together, alone)):
+        assert a.tokens == one.tokens, b
+        for x, y in zip(batched[b], logits[b][0]):
+            np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("scheme", SCHEME_NAMES)
+@pytest.mark.parametrize("kind", KINDS)
+def test_restored_and_forked_agents_continue_bit_identically(models, kind, scheme):
+    loaded = models[kind]
+    ram, first = prefilled(loaded, scheme, prompt(PROMPT_LENGTHS[0], 30))
+    token, _ = decode(loaded, [ram], [first], 5, WorkingSets())  # mid-tail: 505 tokens
+    # a restore from the agent's record, and a fork that starts on a shared base
+    tensors, meta = ram.to_record_parts()
+    restored = AgentCache.from_record_parts(loaded.spec, list(ram.tokens), tensors, meta)
+    prefix = ram.share_prefix()
+    assert prefix is not None and len(prefix.tokens) == BLOCK_TOKENS
+    forked = ram.fork()
+    _, want = decode(loaded, [ram], token, STEPS, None)
+    for other in (restored, forked):
+        _, got = decode(loaded, [other], token, STEPS, WorkingSets())
+        assert_identical(got, want)
