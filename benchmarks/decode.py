@@ -5,8 +5,10 @@ cannot fall below ``bytes read / memory bandwidth``. This script measures, in on
 and side by side, for each model and context length:
 
 - kvshelf's step with the default KV scheme and with plain per-token Q4, at batch
-  1, 2, 4 and 8 (the scheduler's own path: the model called on the agents' layer
-  caches, one batch view per layer when several agents decode together);
+  1, 2, 4 and 8: the scheduler's own path (the decode working set,
+  ``kvshelf.kv.working_set``, kept across steps), and the per-step path it replaced
+  ("per-step": the model called on the agents' layer caches, one ``BatchLayerView``
+  per layer when several agents decode together);
 - mlx-lm's own step on the same model with its fp32 ``KVCache``/``RotatingKVCache``
   (batch 1: what ``mlx_lm.generate`` runs);
 - the floor: the model's weight bytes (and weights + K/V bytes) divided by the memory
@@ -45,6 +47,7 @@ from mlx_lm.utils import _get_classes
 from kvshelf.kv.agent_cache import AgentCache
 from kvshelf.kv.batch import batch_views
 from kvshelf.kv.schemes import DEFAULT_SCHEME, SCHEMES
+from kvshelf.kv.working_set import WorkingSets
 from kvshelf.model.loader import load, materialize
 from kvshelf.model.spec import ModelCacheSpec
 
@@ -126,20 +129,27 @@ def _state(c: Any) -> list[mx.array]:
     return out
 
 
-def step_ms(model: nn.Module, agents: list[list[Any]], steps: int, warmup: int) -> list[float]:
-    """Milliseconds per decode step for these agents decoding together (one token each)."""
+def step_ms(
+    model: nn.Module, agents: list[list[Any]], steps: int, warmup: int, working: bool = False
+) -> tuple[list[float], int]:
+    """Milliseconds per decode step for these agents decoding together (one token each),
+    and the working set's bytes (``working``: the scheduler's path; else per-step)."""
     batch = len(agents)
     x = mx.array([[1]] * batch)
     times = []
+    ws = WorkingSets()
     for i in range(warmup + steps):
         t = time.perf_counter()
-        caches = agents[0] if batch == 1 else batch_views(agents)
+        if working:
+            caches = ws.caches(list(range(batch)), agents)
+        else:
+            caches = agents[0] if batch == 1 else batch_views(agents)
         logits = model(x, cache=caches)[:, -1]
         token = mx.argmax(logits, axis=-1)
-        mx.eval(token, [a for layers in agents for c in layers for a in _state(c)])
+        mx.eval(token, [a for layers in agents for c in layers for a in _state(c)], ws.arrays())
         if i >= warmup:
             times.append((time.perf_counter() - t) * 1e3)
-    return times
+    return times, ws.nbytes
 
 
 def kv_bytes(agents: list[list[Any]]) -> int:
@@ -160,7 +170,7 @@ def run(models: list[str], contexts: list[int], batches: list[int], steps: int, 
         for context in contexts:
             peer = make_prompt_cache(model)
             fill(peer, spec, context, seed=1)
-            t = step_ms(model, [peer], steps, warmup)
+            t, _ = step_ms(model, [peer], steps, warmup)
             peer_bytes = kv_bytes([peer])
             rows.append(_row(name, context, "mlx-lm fp32 KV", 1, t, floor_ms, wbytes, peer_bytes, gbs))
             del peer
@@ -171,9 +181,11 @@ def run(models: list[str], contexts: list[int], batches: list[int], steps: int, 
                     fill(cache.layers, spec, context, seed=10 + b)
                     agents.append(cache.layers)
                 for batch in batches:
-                    members = [_clone(layers) for layers in agents[:batch]]
-                    t = step_ms(model, members, steps, warmup)
-                    rows.append(_row(name, context, scheme, batch, t, floor_ms, wbytes, kv_bytes(members), gbs))
+                    for working, path in ((True, scheme), (False, f"{scheme} per-step")):
+                        members = [_clone(layers) for layers in agents[:batch]]
+                        t, ws_bytes = step_ms(model, members, steps, warmup, working)
+                        row = _row(name, context, path, batch, t, floor_ms, wbytes, kv_bytes(members), gbs)
+                        rows.append({**row, "working_set_mb": round(ws_bytes / 1e6, 1)})
                 del agents
         del model
     return {"bandwidth": bw, "steps": steps, "warmup": warmup, "rows": rows}
@@ -212,7 +224,7 @@ def _row(
         "kv_mb": round(kvb / 1e6, 1),
     }
     print(
-        f"  {context:>6d} {path:<22s} batch {batch}: {med:7.1f} ms/step  {row['tokens_per_s']:6.2f} tok/s  "
+        f"  {context:>6d} {path:<31s} batch {batch}: {med:7.1f} ms/step  {row['tokens_per_s']:6.2f} tok/s  "
         f"{row['x_floor']:.2f}x floor ({row['x_floor_with_kv']:.2f}x with KV)"
     )
     return row

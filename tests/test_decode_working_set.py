@@ -61,7 +61,7 @@ def decode(loaded, agents, first, steps, working: WorkingSets | None, schedule=N
     for i in range(steps):
         members = schedule(i) if schedule else list(range(len(agents)))
         group = [agents[b] for b in members]
-        caches = working.caches(members, group) if working is not None else old_caches(group)
+        caches = working.caches(members, [a.layers for a in group]) if working is not None else old_caches(group)
         rows = step(loaded, group, [tokens[b] for b in members], caches)
         if working is not None:
             mx.eval(working.arrays())

@@ -35,7 +35,6 @@ from typing import Any
 
 import mlx.core as mx
 
-from kvshelf.kv.agent_cache import AgentCache
 from kvshelf.kv.batch import BatchLayerView
 from kvshelf.kv.blocks import QuantizedLayerCache
 
@@ -44,6 +43,7 @@ from kvshelf.kv.blocks import QuantizedLayerCache
 GROW_COLUMNS = 128
 
 Rows = tuple[mx.array, ...]  # one dense array, or a packed (words, scales, biases) triple
+Layers = Sequence[QuantizedLayerCache]  # one agent's caches, one per model layer
 
 
 def _rows(x: Any) -> Rows:
@@ -172,15 +172,16 @@ class DecodeLayer(BatchLayerView):
 class DecodeRun:
     """One decode batch's working set: a ``DecodeLayer`` per model layer.
 
-    ``keys`` identify the members (the scheduler's requests); ``previous`` is the run
-    before a membership change, whose rows the staying members bring along."""
+    ``keys`` identify the members (the scheduler's requests), ``agents`` are their layer
+    caches (``AgentCache.layers``); ``previous`` is the run before a membership change,
+    whose rows the staying members bring along."""
 
-    def __init__(self, keys: Sequence[Hashable], agents: Sequence[AgentCache], previous: DecodeRun | None = None):
+    def __init__(self, keys: Sequence[Hashable], agents: Sequence[Layers], previous: DecodeRun | None = None):
         self.keys = list(keys)
-        self.agents = list(agents)
+        self.agents = [list(layers) for layers in agents]
         index = previous._index() if previous is not None else {}
         layers = []
-        for i, per_layer in enumerate(zip(*(a.layers for a in self.agents))):
+        for i, per_layer in enumerate(zip(*self.agents)):
             carried = []
             for key, cache in zip(self.keys, per_layer):
                 old = index.get(key)
@@ -192,17 +193,13 @@ class DecodeRun:
         """Members whose rows are still current: same caches, no token added or removed since."""
         return {key: b for b, key in enumerate(self.keys) if self._current(b, self.agents[b])}
 
-    def _current(self, b: int, agent: AgentCache) -> bool:
-        return len(agent.layers) == len(self.layers) and all(
-            layer.members[b] is c and layer.synced[b] == c.offset for layer, c in zip(self.layers, agent.layers)
+    def _current(self, b: int, agent: Layers) -> bool:
+        return len(agent) == len(self.layers) and all(
+            layer.members[b] is c and layer.synced[b] == c.offset for layer, c in zip(self.layers, agent)
         )
 
-    def serves(self, keys: Sequence[Hashable], agents: Sequence[AgentCache]) -> bool:
-        return (
-            list(keys) == self.keys
-            and all(a is mine for a, mine in zip(agents, self.agents))
-            and all(self._current(b, a) for b, a in enumerate(agents))
-        )
+    def serves(self, keys: Sequence[Hashable], agents: Sequence[Layers]) -> bool:
+        return list(keys) == self.keys and all(self._current(b, a) for b, a in enumerate(agents))
 
     def arrays(self) -> list[mx.array]:
         return [x for layer in self.layers for x in layer.arrays()]
@@ -219,7 +216,8 @@ class WorkingSets:
     def __init__(self) -> None:
         self.run: DecodeRun | None = None
 
-    def caches(self, keys: Sequence[Hashable], agents: Sequence[AgentCache]) -> list[DecodeLayer]:
+    def caches(self, keys: Sequence[Hashable], agents: Sequence[Layers]) -> list[DecodeLayer]:
+        """The model's caches for a step of these members (``agents[b]``: member b's layers)."""
         if self.run is None or not self.run.serves(keys, agents):
             self.run = DecodeRun(keys, agents, self.run)
         return self.run.layers

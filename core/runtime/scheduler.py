@@ -367,7 +367,7 @@ class Scheduler:
         self.stats["decoded_tokens"] += len(batch)
         self.stats["max_batch"] = max(self.stats["max_batch"], len(batch))
         x = mx.array([[r.next_token] for r in batch])
-        caches = self._working.caches(batch, [r.cache for r in batch])
+        caches = self._working.caches(batch, [r.cache.layers for r in batch])
         logits = self.engine.model(x, cache=caches)[:, -1]
         mx.eval(logits, [a for r in batch for a in r.cache.arrays()], self._working.arrays())
         for b, r in enumerate(batch):
