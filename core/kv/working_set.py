@@ -54,6 +54,11 @@ def _fetched(rows: Rows) -> Any:
     return rows if len(rows) == 3 else rows[0]
 
 
+def _visible(m: QuantizedLayerCache) -> int:
+    """How many of ``m``'s rows the next token's step keeps (its window may move on)."""
+    return m.offset - m.start_after(1)
+
+
 def _place(x: mx.array, width: int, capacity: int) -> mx.array:
     """``x``'s rows right-aligned at column ``width`` of ``capacity`` columns, zeros elsewhere."""
     b, h, n, d = x.shape
@@ -126,14 +131,17 @@ class DecodeLayer(BatchLayerView):
         return buf
 
     def _build(self, dtype: mx.Dtype) -> None:
-        """Gather every member's rows ``start..offset`` once, left-padded into one buffer."""
+        """Gather every member's rows that the step keeps, once, left-padded into one buffer."""
         keys, values = [], []
         for m, carried in zip(self.members, self._carried):
-            k, v = carried if carried is not None else m.attention_rows(m.start, m.offset, dtype, self._dense)
-            keys.append(_rows(k))
-            values.append(_rows(v))
+            n = _visible(m)
+            if carried is None:
+                carried = m.attention_rows(m.offset - n, m.offset, dtype, self._dense)
+            k, v = (tuple(x[..., x.shape[2] - n :, :] for x in _rows(rows)) for rows in carried)
+            keys.append(k)
+            values.append(v)
         self._carried = [None] * len(self.members)
-        width = max(m.offset - m.start for m in self.members)
+        width = max(_visible(m) for m in self.members)
         capacity = width + GROW_COLUMNS
         stack = lambda rows: tuple(  # noqa: E731
             mx.concatenate([_place(r[i], width, capacity) for r in rows], axis=0) for i in range(len(rows[0]))
@@ -146,7 +154,7 @@ class DecodeLayer(BatchLayerView):
         assert self.keys is not None and self.values is not None
         if self.end < self.keys[0].shape[2]:
             return
-        width = max(m.offset - m.start for m in self.members)
+        width = max(_visible(m) for m in self.members)
         capacity = width + GROW_COLUMNS
         regrow = lambda buf: tuple(_place(x[..., self.end - width : self.end, :], width, capacity) for x in buf)  # noqa: E731
         self.keys, self.values = regrow(self.keys), regrow(self.values)
