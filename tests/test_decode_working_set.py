@@ -94,7 +94,8 @@ def test_one_agent_is_bit_identical_across_a_block_and_a_window_move(models, kin
     assert a.keys() == b.keys() and all(np.array_equal(np.array(a[k]), np.array(b[k])) for k in a)
     if kind == "gemma3_text":  # the window moved during the run
         assert any(c.window and c.start > 0 for c in mine.layers)
-    assert working.nbytes > 0
+    # dense rows are held while decoding; plain Q4's one packed buffer is read in place
+    assert (working.nbytes > 0) == (scheme == DEFAULT_SCHEME)
     working.clear()
     assert working.nbytes == 0
 
