@@ -15,6 +15,7 @@ from kvshelf.kv.schemes import DEFAULT_SCHEME, SCHEMES
 from kvshelf.kv.working_set import WorkingSets
 from kvshelf.model.loader import load
 from kvshelf.model.spec import BLOCK_TOKENS
+from kvshelf.runtime.pool import BlockPool
 
 KINDS = ["llama", "gemma3_text", "deepseek_v2"]
 SCHEME_NAMES = [DEFAULT_SCHEME, "q4-g64-per-token-v1"]
@@ -148,3 +149,17 @@ def test_restored_and_forked_agents_continue_bit_identically(models, kind, schem
     for other in (restored, forked):
         _, got = decode(loaded, [other], token, STEPS, WorkingSets())
         assert_identical(got, want)
+
+
+def test_the_pool_budget_counts_the_working_set(models):
+    loaded = models["llama"]
+    agents = [prefilled(loaded, DEFAULT_SCHEME, prompt(100, 40 + i))[0] for i in range(3)]
+    working = WorkingSets()
+    decode(loaded, agents[2:], [1], 3, working)
+    pool = BlockPool(budget=sum(a.nbytes for a in agents))
+    for i, a in enumerate(agents):
+        pool.put(f"a{i}", a)
+    assert pool.over_budget_victims() == []
+    pool.working_bytes = working.nbytes  # what the step loop sets after each step
+    assert working.nbytes > agents[0].nbytes
+    assert pool.over_budget_victims()[:1] == ["a0"]

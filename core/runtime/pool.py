@@ -52,6 +52,9 @@ class BlockPool:
         self.budget = parse_bytes(budget)
         self._agents: OrderedDict[str, AgentCache] = OrderedDict()
         self.last_used: dict[str, float] = {}
+        # Bytes the step loop holds for decoding agents on top of their blocks (the decode
+        # working set, ``kvshelf.kv.working_set``): they count against the budget too.
+        self.working_bytes = 0
 
     def get(self, agent_id: str) -> AgentCache | None:
         return self._agents.get(agent_id)
@@ -79,7 +82,7 @@ class BlockPool:
         return _bytes(self._agents.values())
 
     def over_budget_victims(self) -> list[str]:
-        """Agents to spill, oldest first, until the rest fit the budget.
+        """Agents to spill, oldest first, until the rest (and the working set) fit the budget.
 
         A shared prefix is freed only with its last resident user, so spilling an agent
         frees its own blocks, and the prefix's too if nobody else holds it."""
@@ -87,7 +90,7 @@ class BlockPool:
             return []
         rest = list(self._agents.items())
         victims = []
-        while rest and _bytes(c for _, c in rest) > self.budget:
+        while rest and _bytes(c for _, c in rest) + self.working_bytes > self.budget:
             victims.append(rest.pop(0)[0])
         return victims
 

@@ -361,6 +361,7 @@ class Scheduler:
             self._complete(r)
         if not self._decoding:
             self._working.clear()
+            self.engine.pool.working_bytes = 0
             return False
         batch = list(self._decoding)
         self.stats["decode_steps"] += 1
@@ -370,6 +371,7 @@ class Scheduler:
         caches = self._working.caches(batch, [r.cache.layers for r in batch])
         logits = self.engine.model(x, cache=caches)[:, -1]
         mx.eval(logits, [a for r in batch for a in r.cache.arrays()], self._working.arrays())
+        self.engine.pool.working_bytes = self._working.nbytes
         for b, r in enumerate(batch):
             r.cache.tokens.append(r.next_token)
             self._accept(r, logits[b])
