@@ -101,6 +101,22 @@ def test_one_agent_is_bit_identical_across_a_block_and_a_window_move(models, kin
     assert working.nbytes == 0
 
 
+@pytest.mark.parametrize("scheme", sorted(set(SCHEMES) - set(SCHEME_NAMES)))
+def test_every_scheme_is_bit_identical_through_sinks_rotations_and_a_window_move(models, scheme):
+    loaded = models["gemma3_text"]
+    ref, first = prefilled(loaded, scheme, prompt(500, 2))
+    mine = ref.fork()
+    _, want = decode(loaded, [ref], [first], STEPS, None)
+    _, got = decode(loaded, [mine], [first], STEPS, WorkingSets())
+    assert_identical(got, want)
+    # and from the very first tokens, where a scheme's fp16 sinks replace quantized rows
+    ref, first = prefilled(loaded, scheme, prompt(2, 3))
+    mine = ref.fork()
+    _, want = decode(loaded, [ref], [first], 8, None)
+    _, got = decode(loaded, [mine], [first], 8, WorkingSets())
+    assert_identical(got, want)
+
+
 @pytest.mark.parametrize("scheme", SCHEME_NAMES)
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_batch_is_bit_identical_to_batch_views_through_joins_and_leaves(models, kind, scheme):
