@@ -18,6 +18,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 from common import drop_from_page_cache, prompt_of_tokens, write_json
 
@@ -85,10 +86,12 @@ def throughput(engine: Engine, counts: list[int], tokens: int) -> list[dict]:
     return rows
 
 
-def intervals(stamps: list[float], start: float | None = None, end: float | None = None) -> list[float]:
+def intervals(stamps: list[float], window: tuple[float, float] | None = None) -> list[float]:
+    """The gaps between consecutive stamps; with a (start, end) window, only the gaps that overlap it."""
     gaps = [b - a for a, b in zip(stamps, stamps[1:])]
-    if start is None:
+    if window is None:
         return gaps
+    start, end = window
     return [b - a for a, b in zip(stamps, stamps[1:]) if b >= start and a <= end]
 
 
@@ -131,8 +134,8 @@ def hidden_io(engine: Engine, tokens: int) -> dict:
     t_first = t_req + late_result.ttft_s
     for t in threads:
         t.join()
-    during = [g for a in decoders for g in intervals(stamps[a], t_req, t_first)]
-    out = {
+    during = [g for a in decoders for g in intervals(stamps[a], (t_req, t_first))]
+    out: dict[str, Any] = {
         "restore_ttft_alone_s": alone.ttft_s,
         "restore_ttft_while_3_decode_s": late_result.ttft_s,
         "decode_step_s_without_restore": statistics.median(base),

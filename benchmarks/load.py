@@ -286,7 +286,9 @@ def main() -> None:
     quarantined = len(list(check.store.quarantine_dir.glob("*.safetensors")))
     from mlx.utils import tree_flatten
 
-    model_bytes = sum(v.nbytes for _, v in tree_flatten(check.model.parameters()))  # as held in RAM (fp32 on CPU)
+    params = tree_flatten(check.model.parameters())
+    assert isinstance(params, list)  # (name, array) pairs: a dict comes back only for a dict destination
+    model_bytes = sum(v.nbytes for _, v in params)  # as held in RAM (fp32 on CPU)
     check.close()
     tmp.cleanup()
 
