@@ -3,9 +3,11 @@
 A request names an agent. Its cache is found in RAM (hot), on disk (warm) or nowhere
 (cold); the new prompt's token ids are matched against the cached ones, the cache is
 cut back to the common prefix, only the rest is prefilled, and the reply is generated
-and saved. All of that runs on the scheduler (``kvshelf.runtime.scheduler``), which batches
-every agent's decode steps together; this module is the public surface: it validates
-input in the caller's thread and hands requests to the scheduler.
+and saved. The model runs on the scheduler (``kvshelf.runtime.scheduler``), which batches
+every agent's decode steps together; every cache lives on the shelf
+(``kvshelf.runtime.shelf``). This module is the public surface: it validates input in
+the caller's thread (agent ids once, as ``AgentId``), builds requests and forwards
+control calls; nothing below it calls back up.
 """
 
 from __future__ import annotations
