@@ -72,7 +72,6 @@ class Engine:
         faster to answer, but a crash in between loses that turn's cache."""
         self.loaded: LoadedModel = load(model, progress=progress)
         self.cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-        self.durable = durable
         self._scheme = kv_scheme_named(kv_scheme)
         self._shelf = Shelf(
             self.cache_dir,
@@ -84,6 +83,11 @@ class Engine:
         )
         self._closed = False
         self._scheduler = Scheduler(self.loaded, self._shelf, prefill_chunk=prefill_chunk)
+
+    @property
+    def durable(self) -> bool:
+        """Whether a turn's result waits for its save (see ``__init__``)."""
+        return self._shelf.durable
 
     @property
     def kv_scheme(self) -> KVScheme:
