@@ -23,13 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from kvshelf.errors import (  # noqa: F401  (re-exported for callers of the old names)
-    AgentBusy,
-    AgentExists,
-    ContextLengthExceeded,
-    KVShelfError,
-    UnknownAgent,
-)
+from kvshelf.errors import ContextLengthExceeded, KVShelfError
 from kvshelf.kv.schemes import DEFAULT_SCHEME, KVScheme
 from kvshelf.kv.schemes import scheme as kv_scheme_named
 from kvshelf.model.loader import LoadedModel, load
