@@ -94,9 +94,9 @@ def peer_model_dir(source: Path, work: Path) -> tuple[Path, str]:
 def q4_bytes_estimate(engine, tokens: int) -> float:
     """Q4 bytes of one agent of ``tokens`` tokens (only used to size the budget)."""
     total = 0.0
-    for layer in engine.spec.layers:
+    for layer in engine.loaded.spec.layers:
         kept = tokens if layer.window is None else min(tokens, layer.window + 2 * 256)
-        total += engine.scheme.bytes_per_token(layer, tokens) * kept
+        total += engine.kv_scheme.bytes_per_token(layer, tokens) * kept
     return total
 
 
@@ -201,7 +201,7 @@ def run(ctx: BenchContext) -> dict:
 
     work = ctx.work_dir / "peer"
     work.mkdir(parents=True, exist_ok=True)
-    docs = documents(engine.tokenizer, s.peer_agents, s.peer_doc_tokens)
+    docs = documents(engine.loaded.tokenizer, s.peer_agents, s.peer_doc_tokens)
     agents = [(f"peer-agent-{i}", d) for i, d in enumerate(docs.values())]
     per_agent = q4_bytes_estimate(engine, s.peer_doc_tokens + 64 * (s.peer_rounds_before + s.peer_rounds_after + 1))
     budget = max(1, int(s.peer_budget_fraction * per_agent * len(agents)))
