@@ -23,7 +23,7 @@ import numpy as np
 
 from kvshelf.errors import KVShelfError, StorageError
 from kvshelf.kv.agent_cache import AgentCache
-from kvshelf.kv.record import CacheRecord
+from kvshelf.kv.record import CacheRecord, agent_cache_from_record, shared_prefix_id
 from kvshelf.kv.schemes import DEFAULT_SCHEME
 from kvshelf.kv.schemes import scheme as kv_scheme_named
 from kvshelf.kv.shared import SharedPrefix
@@ -431,11 +431,11 @@ class Engine:
             return None
         try:
             prefix = None
-            if (pid := record.meta.get("shared_prefix")) is not None:
+            if (pid := shared_prefix_id(record)) is not None:
                 prefix = self.shared.get(pid)
                 if prefix is None:
                     raise ValueError(f"its shared prefix {pid!r} is missing or unreadable")
-            cache = AgentCache.from_record_parts(self.spec, record.tokens, record.tensors, record.meta, prefix)
+            cache = agent_cache_from_record(self.spec, record, prefix)
         except (ValueError, KeyError) as exc:
             self.store.quarantine(aid, f"record does not fit this model: {exc}")
             return None

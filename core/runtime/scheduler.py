@@ -31,7 +31,7 @@ import numpy as np
 from kvshelf.errors import StorageError
 from kvshelf.kv.agent_cache import AgentCache
 from kvshelf.kv.batch import batch_views
-from kvshelf.kv.record import CacheRecord
+from kvshelf.kv.record import CacheRecord, agent_record
 from kvshelf.runtime.results import ChatResult, Usage
 from kvshelf.runtime.sampling import Sampler
 
@@ -472,9 +472,8 @@ class Scheduler:
     # -- saving and the budget (worker thread) ---------------------------------------------
     def save_behind(self, aid: str, cache: AgentCache) -> Future:
         """Snapshot the agent's blocks now; write them on the I/O thread."""
-        tensors, meta = cache.to_record_parts()
-        mx.eval(list(tensors.values()))
-        record = CacheRecord(tokens=list(cache.tokens), tensors=tensors, meta=meta)
+        record = agent_record(cache)
+        mx.eval(list(record.tensors.values()))
         fut = self._io.submit(self._write, aid, record, cache.shared)
         self._saves[aid] = fut
         return fut

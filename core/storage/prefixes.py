@@ -21,6 +21,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from kvshelf.kv.record import prefix_from_record, prefix_record
 from kvshelf.kv.shared import SharedPrefix
 from kvshelf.model.spec import ModelCacheSpec
 from kvshelf.storage.agent_id import validate_agent_id
@@ -64,7 +65,7 @@ class SharedPrefixes:
         if record is None:
             return None
         try:
-            prefix = SharedPrefix.from_record(pid, self.spec, record)
+            prefix = prefix_from_record(pid, self.spec, record)
         except (ValueError, KeyError) as exc:
             self.store.quarantine(pid, f"shared prefix does not fit this model: {exc}")
             return None
@@ -78,7 +79,7 @@ class SharedPrefixes:
     # -- disk ----------------------------------------------------------------------------
     def ensure_saved(self, prefix: SharedPrefix) -> None:
         if not self.store.path_for(prefix.id).exists():
-            self.store.save(prefix.id, prefix.to_record(self.spec))
+            self.store.save(prefix.id, prefix_record(prefix, self.spec))
 
     def add_user(self, pid: str, agent_id: str) -> None:
         """Mark ``agent_id`` as a user of ``pid`` (before its record refers to it)."""
