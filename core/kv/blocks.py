@@ -30,6 +30,7 @@ Why this shape:
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -98,6 +99,10 @@ def group_size_for(layer: LayerSpec, preferred: int = 64) -> int:
         f"head dims {layer.k_head_dim}/{layer.v_head_dim} are not multiples of 32; "
         "kvshelf cannot quantize this model's KV cache"
     )
+
+
+def _map3(f: Callable[[mx.array], mx.array], q: QTriple) -> QTriple:
+    return f(q[0]), f(q[1]), f(q[2])
 
 
 def _blocks(n: int) -> int:
@@ -361,8 +366,7 @@ class QuantizedLayerCache(PackedFetch, _BaseCache):
         n = self.used - self.base_rows
         if self.keys is None or self.values is None or n <= 0:
             return LayerRows()
-        rows = lambda q: tuple(x[..., :n, :] for x in q)  # noqa: E731
-        return LayerRows(rows(self.keys), rows(self.values))
+        return LayerRows(_map3(lambda x: x[..., :n, :], self.keys), _map3(lambda x: x[..., :n, :], self.values))
 
     def restore(self, rows: LayerRows, start: int, offset: int, base: SharedLayer | None = None) -> None:
         """Take back ``own_rows()`` output: rows ``start..offset`` after ``base``, padded
@@ -379,8 +383,7 @@ class QuantizedLayerCache(PackedFetch, _BaseCache):
             pad = mx.zeros((*x.shape[:2], capacity - x.shape[2], x.shape[3]), dtype=x.dtype)
             return mx.concatenate([x, pad], axis=2)
 
-        self.keys = tuple(padded(x) for x in rows.keys)  # type: ignore[assignment]
-        self.values = tuple(padded(x) for x in rows.values)  # type: ignore[assignment]
+        self.keys, self.values = _map3(padded, rows.keys), _map3(padded, rows.values)
 
     # mlx-lm's ``save_prompt_cache``/``load_prompt_cache`` go through ``state``, which
     # ``_BaseCache`` defines as an empty list: a kvshelf cache would be written as an
