@@ -14,6 +14,7 @@ import pytest
 from mlx_lm.models.cache import save_prompt_cache
 
 from kvshelf.kv.agent_cache import AgentCache
+from kvshelf.kv.blocks import QuantizedLayerCache
 from kvshelf.kv.record import (
     CacheRecord,
     agent_cache_from_record,
@@ -147,6 +148,10 @@ def test_mlx_lm_cannot_save_a_kvshelf_cache_as_an_empty_prompt_cache(forked, tmp
     target = tmp_path / "prompt.safetensors"
     with pytest.raises(NotImplementedError, match="kvshelf's records"):
         save_prompt_cache(str(target), cache.layers)
+    assert not target.exists()
+    plain = QuantizedLayerCache(forked.spec.layers[0])  # the plain Q4 cache, empty
+    with pytest.raises(NotImplementedError, match="kvshelf's records"):
+        save_prompt_cache(str(target), [plain])
     assert not target.exists()
     with pytest.raises(NotImplementedError, match="kvshelf's records"):
         cache.layers[0].state = []

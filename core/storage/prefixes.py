@@ -90,10 +90,10 @@ class SharedPrefixes:
 
     def add_user(self, pid: str, agent_id: AgentId) -> None:
         """Mark ``agent_id`` as a user of ``pid`` (before its record refers to it)."""
+        marker = id_path(self._users_dir(pid), agent_id)  # both ids checked before the disk is touched
         with self._lock:
-            users = self._users_dir(pid)
-            users.mkdir(mode=0o700, parents=True, exist_ok=True)
-            id_path(users, agent_id).touch(mode=0o600)
+            marker.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            marker.touch(mode=0o600)
 
     def release(self, agent_id: AgentId, keep: str | None = None) -> list[Path]:
         """Drop ``agent_id``'s markers (but ``keep``'s); delete prefixes left without users.
