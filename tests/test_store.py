@@ -259,6 +259,27 @@ def test_bad_agent_ids_are_rejected_before_touching_disk(store: RecordStore, age
     assert not store.root.exists() or list(store.root.rglob("*")) == []
 
 
+@pytest.mark.parametrize("agent_id", BAD_IDS, ids=repr)
+def test_shared_prefix_markers_refuse_bad_ids_before_touching_disk(tmp_path: Path, agent_id: object) -> None:
+    """Markers name files after agent and prefix ids too, through the same check."""
+    from kvshelf.model.spec import LayerSpec, ModelCacheSpec
+    from kvshelf.storage.prefixes import SharedPrefixes
+
+    shared = SharedPrefixes(tmp_path, FINGERPRINT, ModelCacheSpec((LayerSpec(None, 1, 64, 64),)))
+    for call in (
+        lambda: shared.add_user("prefix-0123", agent_id),
+        lambda: shared.add_user(agent_id, "alice"),
+        lambda: shared.release(agent_id),
+        lambda: shared.users(agent_id),
+    ):
+        with pytest.raises(InvalidAgentId):
+            call()  # type: ignore[arg-type]
+    if isinstance(agent_id, str):  # the RAM registry is looked up first, by (hashable) id
+        with pytest.raises(InvalidAgentId):
+            shared.get(agent_id)
+    assert not tmp_path.exists() or list(tmp_path.rglob("*")) == []
+
+
 def test_str_subclass_cannot_smuggle_a_different_name() -> None:
     class Sneaky(str):
         def __str__(self) -> str:
