@@ -25,7 +25,7 @@ import mlx.core as mx
 
 from kvshelf.errors import AgentBusy, AgentExists, StorageError, UnknownAgent
 from kvshelf.kv.agent_cache import AgentCache
-from kvshelf.kv.record import CacheRecord
+from kvshelf.kv.record import CacheRecord, agent_cache_from_record, agent_record, shared_prefix_id
 from kvshelf.kv.schemes import KVScheme
 from kvshelf.kv.shared import SharedPrefix
 from kvshelf.model.spec import ModelCacheSpec
@@ -139,20 +139,11 @@ class Shelf:
     # -- saving ----------------------------------------------------------------------------
     def save_behind(self, aid: AgentId, cache: AgentCache) -> Future:
         """Snapshot the agent's blocks now; write them on the I/O thread."""
-        record = self._to_record(cache)
+        record = agent_record(cache)  # drops a prefix no layer uses any more: read ``shared`` after
+        mx.eval(list(record.tensors.values()))  # a snapshot now; the I/O thread writes it later
         fut = self._io.submit(self._write, aid, record, cache.shared)
         self._saves[aid] = fut
         return fut
-
-    def _to_record(self, cache: AgentCache) -> CacheRecord:
-        """The cache as a record, evaluated now (the I/O thread writes it later)."""
-        tensors, meta = cache.to_record_parts()
-        mx.eval(list(tensors.values()))
-        return CacheRecord(tokens=list(cache.tokens), tensors=tensors, meta=meta)
-
-    def _from_record(self, record: CacheRecord, prefix: SharedPrefix | None) -> AgentCache:
-        """The cache a loaded record holds; raises ValueError if it does not fit this model."""
-        return AgentCache.from_record_parts(self.spec, record.tokens, record.tensors, record.meta, prefix)
 
     def _write(self, aid: AgentId, record: CacheRecord, prefix: SharedPrefix | None) -> bool:
         """Write an agent's record (I/O thread), and its shared prefix first if it has
@@ -188,11 +179,11 @@ class Shelf:
             return None
         try:
             prefix = None
-            if (pid := record.meta.get("shared_prefix")) is not None:
+            if (pid := shared_prefix_id(record)) is not None:
                 prefix = self.shared.get(pid)
                 if prefix is None:
                     raise ValueError(f"its shared prefix {pid!r} is missing or unreadable")
-            cache = self._from_record(record, prefix)
+            cache = agent_cache_from_record(self.spec, record, prefix)
         except (ValueError, KeyError) as exc:
             self.store.quarantine(aid, f"record does not fit this model: {exc}")
             return None
