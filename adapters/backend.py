@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import threading
 from collections.abc import AsyncIterator, Iterator, Mapping
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -52,7 +53,7 @@ def shared_engine(
     key = (str(model), str(Path(cache_dir).resolve()) if cache_dir is not None else "")
     with _engines_lock:
         engine = _engines.get(key)
-        if engine is None or engine._closed:
+        if engine is None or engine.closed:
             engine = _engines[key] = Engine(model, cache_dir, budget, progress=False)
         return engine
 
@@ -165,14 +166,14 @@ class LocalBackend:
     def fork(self, source: str, new_agent: str) -> dict:
         """Start ``new_agent`` from ``source``'s cache, sharing its whole blocks."""
         try:
-            return self.engine.fork(source, new_agent)
+            return asdict(self.engine.fork(source, new_agent))
         except Exception as exc:
             raise self._error(exc) from exc
 
     def count_tokens(self, body: Mapping[str, Any]) -> int:
         """Prompt tokens of a request as the model will see it (tools and JSON mode rendered)."""
         _, turn = self._turn(None, body)
-        return len(self.engine.tokenizer.encode_prompt(self.engine.loaded.template.render(turn.messages)))
+        return len(self.engine.loaded.tokenizer.encode_prompt(self.engine.loaded.template.render(turn.messages)))
 
     def close(self) -> None:
         """The shared engine outlives any one adapter; it is closed at interpreter exit."""

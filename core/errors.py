@@ -41,3 +41,19 @@ class RecordRejected(KVShelfError):
     def reason(self) -> str:
         """The human-readable reason (also written to the ``.reason`` file)."""
         return str(self.args[0]) if self.args else "unknown reason"
+
+
+class ContextLengthExceeded(KVShelfError, ValueError):
+    """The prompt does not fit the model's context window."""
+
+
+class AgentBusy(KVShelfError):
+    """The agent has a request in flight; erase or evict it once that finishes."""
+
+
+class AgentExists(KVShelfError):
+    """A fork would overwrite an agent that already has a cache; forget it first."""
+
+
+class UnknownAgent(KVShelfError, KeyError):
+    """No cache for this agent, in RAM or on disk."""

@@ -45,7 +45,8 @@ KILL_MODES = ("random", "mid-write", "mid-erase")
 CHILD = r"""
 import json, random, sys
 import kvshelf
-from kvshelf.runtime.engine import Engine, UnknownAgent
+from kvshelf.errors import UnknownAgent
+from kvshelf.runtime.engine import Engine
 
 model, cache_dir, ledger_path, seed = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
 ledger = json.load(open(ledger_path))
@@ -74,7 +75,7 @@ while True:
         r = engine.chat(aid, messages, max_tokens=rng.randint(2, 12))
         if r.saved:
             ledger[aid]["messages"] = messages + [{{"role": "assistant", "content": r.text}}]
-            tokens = list(engine.pool.get(aid).tokens)
+            tokens = list(engine._shelf.pool.get(aid).tokens)
             out("ack", op, aid, json.dumps({{"messages": ledger[aid]["messages"], "tokens": tokens}}))
         else:
             out("nack", op, aid)
@@ -102,7 +103,7 @@ while True:
             out("nack", op, aid)
             continue
         ledger[dst]["messages"] = list(ledger[aid]["messages"])
-        tokens = list(engine.pool.get(dst).tokens)
+        tokens = list(engine._shelf.pool.get(dst).tokens)
         out("ack", op, aid, json.dumps({{"dst": dst, "messages": ledger[dst]["messages"], "tokens": tokens}}))
 """
 
@@ -195,7 +196,7 @@ def crash_once(model_dir: Path, cache_dir: Path, ledger: Ledger, seed: int, mode
 
     rng = random.Random(seed)
     probe = Engine(model=str(model_dir), cache_dir=cache_dir, progress=False)
-    store_dir = probe.store.directory
+    store_dir = probe._shelf.store.directory
     probe.close()
     temps_before = temp_files(store_dir)
     child = Child(model_dir, cache_dir, ledger, seed, budget)
@@ -232,8 +233,8 @@ def crash_once(model_dir: Path, cache_dir: Path, ledger: Ledger, seed: int, mode
             flying = in_flight is not None and in_flight[1] == aid
             forked_to = in_flight is not None and in_flight[0] == "fork" and in_flight[2] == aid
             expected = ledger.tokens[aid]
-            if engine.store.path_for(aid).exists():
-                cache = engine.load_record(aid)  # checksums, header, fit: None (and quarantined) if bad
+            if engine._shelf.store.path_for(aid).exists():
+                cache = engine._shelf.load(aid)  # checksums, header, fit: None (and quarantined) if bad
                 if cache is None:
                     failures.append(f"{aid}: record is unusable")
                     continue
@@ -265,8 +266,8 @@ def crash_once(model_dir: Path, cache_dir: Path, ledger: Ledger, seed: int, mode
                 if tokens is None:
                     ledger.messages[aid] = []
         quarantined = [
-            *engine.store.quarantine_dir.glob("*.safetensors"),
-            *engine.shared.store.quarantine_dir.glob("*.safetensors"),
+            *engine._shelf.store.quarantine_dir.glob("*.safetensors"),
+            *engine._shelf.shared.store.quarantine_dir.glob("*.safetensors"),
         ]
         if quarantined:
             failures.append(f"{len(quarantined)} record(s) were quarantined as corrupt")

@@ -142,8 +142,8 @@ def test_kill_during_write_behind_save_leaves_a_usable_record(delay, tiny_dirs, 
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     engine = Engine(model=tiny_dirs["llama"], cache_dir=tmp_path)
-    record = engine.store.load("victim")
+    record = engine._shelf.store.load("victim")
     assert record is not None, "the previous record must survive a kill mid-save"
-    assert not list(engine.store.quarantine_dir.glob("*.safetensors"))
+    assert not list(engine._shelf.store.quarantine_dir.glob("*.safetensors"))
     r = engine.chat("victim", [{"role": "user", "content": "start"}], max_tokens=2)
     assert r.cache == "warm" and r.usage.cached_tokens > 0

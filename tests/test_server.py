@@ -319,7 +319,7 @@ def _when_saved(engine: Engine, agent: str) -> int:
     deadline = time.monotonic() + 20
     while True:
         info = [a for a in engine.agents() if a.agent_id == agent]
-        if info and info[0].tokens == engine.store.token_count(agent):
+        if info and info[0].tokens == engine._shelf.store.token_count(agent):
             return info[0].tokens
         assert time.monotonic() < deadline, f"{agent}: the request never ended, or RAM and disk disagree"
         time.sleep(0.05)

@@ -1,4 +1,4 @@
-"""Tests of the on-disk record store (kvshelf.storage.records) and agent-id validation.
+"""Tests of the on-disk record store (kvshelf.storage.records and .codec) and agent-id validation.
 
 All tensors are real MLX arrays (4-bit ``mx.quantize`` output of random data);
 the filesystem failures are either real (RLIMIT_FSIZE in a child process) or
@@ -27,9 +27,11 @@ import pytest
 import kvshelf  # noqa: F401  (preloads OpenBLAS before mlx)
 from kvshelf.errors import InvalidAgentId, KVShelfError, StorageError
 from kvshelf.kv.record import CacheRecord
+from kvshelf.storage import codec
 from kvshelf.storage import records as store_module
 from kvshelf.storage.agent_id import AgentId, validate_agent_id
-from kvshelf.storage.records import FORMAT_VERSION, RecordStore
+from kvshelf.storage.codec import FORMAT_VERSION
+from kvshelf.storage.records import RecordStore
 
 FINGERPRINT = hashlib.sha256(b"model-a").hexdigest()
 OTHER_FINGERPRINT = hashlib.sha256(b"model-b").hexdigest()
@@ -80,7 +82,7 @@ def rewrite_header(path: Path, change) -> None:
     document = json.loads(data[8 : 8 + length])
     metadata = document.pop("__metadata__")
     change(metadata, document)
-    path.write_bytes(store_module._encode_header(metadata, document) + data[8 + length :])
+    path.write_bytes(codec.encode_header(metadata, document) + data[8 + length :])
 
 
 def flip_byte(path: Path, position: int) -> None:
@@ -257,6 +259,27 @@ def test_bad_agent_ids_are_rejected_before_touching_disk(store: RecordStore, age
     assert not store.root.exists() or list(store.root.rglob("*")) == []
 
 
+@pytest.mark.parametrize("agent_id", BAD_IDS, ids=repr)
+def test_shared_prefix_markers_refuse_bad_ids_before_touching_disk(tmp_path: Path, agent_id: object) -> None:
+    """Markers name files after agent and prefix ids too, through the same check."""
+    from kvshelf.model.spec import LayerSpec, ModelCacheSpec
+    from kvshelf.storage.prefixes import SharedPrefixes
+
+    shared = SharedPrefixes(tmp_path, FINGERPRINT, ModelCacheSpec((LayerSpec(None, 1, 64, 64),)))
+    for call in (
+        lambda: shared.add_user("prefix-0123", agent_id),
+        lambda: shared.add_user(agent_id, "alice"),
+        lambda: shared.release(agent_id),
+        lambda: shared.users(agent_id),
+    ):
+        with pytest.raises(InvalidAgentId):
+            call()  # type: ignore[arg-type]
+    if isinstance(agent_id, str):  # the RAM registry is looked up first, by (hashable) id
+        with pytest.raises(InvalidAgentId):
+            shared.get(agent_id)
+    assert not tmp_path.exists() or list(tmp_path.rglob("*")) == []
+
+
 def test_str_subclass_cannot_smuggle_a_different_name() -> None:
     class Sneaky(str):
         def __str__(self) -> str:
@@ -422,17 +445,17 @@ def test_every_single_byte_change_is_detected(tmp_path: Path) -> None:
     store = RecordStore(tmp_path, FINGERPRINT)
     store.save("alice", make_record(n_layers=1, n_tokens=8, head_dim=32))
     good = store.path_for("alice").read_bytes()
-    assert store_module._decode(bytearray(good), FINGERPRINT) is not None
+    assert codec.decode(bytearray(good), FINGERPRINT) is not None
     masks = np.random.default_rng(0).integers(1, 256, len(good))
     for position in range(len(good)):
         for mask in (0x01, int(masks[position])):
             damaged = bytearray(good)
             damaged[position] ^= mask
-            with pytest.raises(store_module.RecordRejected):
-                store_module._decode(damaged, FINGERPRINT)
+            with pytest.raises(codec.RecordRejected):
+                codec.decode(damaged, FINGERPRINT)
     for cut in range(len(good)):
-        with pytest.raises(store_module.RecordRejected):
-            store_module._decode(bytearray(good[:cut]), FINGERPRINT)
+        with pytest.raises(codec.RecordRejected):
+            codec.decode(bytearray(good[:cut]), FINGERPRINT)
 
 
 # ---------------------------------------------------------------- delete

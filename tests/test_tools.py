@@ -4,6 +4,7 @@ and the prompt additions checked for the byte stability that prefix reuse needs.
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import pytest
 
@@ -147,7 +148,7 @@ def test_tool_conversation_renders_byte_stable(template):
     """Each turn's prompt (tools in the system text, forced opening) starts the next one."""
     extra = tools_text(TOOLS)
     call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
-    turns = [
+    turns: list[list[dict[str, Any]]] = [
         [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Weather in Paris?"}],
         [
             {"role": "assistant", "content": None, "tool_calls": [call]},
@@ -155,7 +156,8 @@ def test_tool_conversation_renders_byte_stable(template):
         ],
         [{"role": "assistant", "content": "It is sunny."}, {"role": "user", "content": "Thanks"}],
     ]
-    history, prompts = [], []
+    history: list[dict[str, Any]] = []
+    prompts: list[str] = []
     for i, new in enumerate(turns):
         history += new
         msgs = with_system_text(name_tool_results(history), extra)
@@ -172,14 +174,17 @@ def test_tool_conversation_renders_byte_stable(template):
 
 
 def test_with_system_text_merges_into_the_first_system_message():
-    msgs = [{"role": "system", "content": [{"type": "text", "text": "Be brief."}]}, {"role": "user", "content": "hi"}]
+    msgs: list[dict[str, Any]] = [
+        {"role": "system", "content": [{"type": "text", "text": "Be brief."}]},
+        {"role": "user", "content": "hi"},
+    ]
     assert with_system_text(msgs, "TOOLS")[0] == {"role": "system", "content": "Be brief.\n\nTOOLS"}
     assert with_system_text(msgs[1:], "TOOLS") == [{"role": "system", "content": "TOOLS"}, msgs[1]]
     assert with_system_text(msgs, "") == msgs
 
 
 def test_name_tool_results_from_earlier_calls():
-    msgs = [
+    msgs: list[dict[str, Any]] = [
         {"role": "assistant", "tool_calls": [{"id": "c9", "function": {"name": "add", "arguments": "{}"}}]},
         {"role": "tool", "tool_call_id": "c9", "content": "3"},
         {"role": "tool", "tool_call_id": "zz", "content": "?"},

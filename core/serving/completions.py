@@ -16,8 +16,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from kvshelf.errors import InvalidAgentId, KVShelfError
-from kvshelf.runtime.engine import AgentBusy, AgentExists, ChatResult, ContextLengthExceeded, Engine, UnknownAgent
+from kvshelf.errors import AgentBusy, AgentExists, ContextLengthExceeded, InvalidAgentId, KVShelfError, UnknownAgent
+from kvshelf.runtime.engine import ChatResult, Engine
 from kvshelf.serving import json_mode, tools
 from kvshelf.serving.openai_api import (
     ApiError,

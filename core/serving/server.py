@@ -21,6 +21,7 @@ import hmac
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
 from contextlib import asynccontextmanager, suppress
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -31,8 +32,8 @@ from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from kvshelf.errors import InvalidAgentId
-from kvshelf.runtime.engine import AgentBusy, AgentInfo, ChatResult, Engine
+from kvshelf.errors import AgentBusy, InvalidAgentId
+from kvshelf.runtime.engine import AgentInfo, ChatResult, Engine
 from kvshelf.serving.completions import completion, engine_error, events, model_id, prepare
 from kvshelf.serving.openai_api import (
     ApiError,
@@ -202,7 +203,7 @@ def create_app(
         """How many prompt tokens a chat request is, as rendered for the model (tools and
         JSON mode included): what clients need for count_tokens / remaining_tokens."""
         turn = prepare(body, None, default_max_tokens)
-        ids = engine.tokenizer.encode_prompt(engine.loaded.template.render(turn.messages))
+        ids = engine.loaded.tokenizer.encode_prompt(engine.loaded.template.render(turn.messages))
         return {"object": "tokenize", "prompt_tokens": len(ids), "context_length": engine.loaded.context_length}
 
     @router.get("/v1/agents")
@@ -228,7 +229,7 @@ def create_app(
         corrupt, or a temp file from a crashed save, is the agent's data too."""
         aid = path_agent_id(agent_id)
         try:
-            removed = engine.forget(aid)
+            removed = asdict(engine.forget(aid))
         except AgentBusy as exc:
             raise engine_error(exc) from None
         if not (removed["files_removed"] or removed["tokens_freed"] or removed["ram_bytes_freed"]):
@@ -250,7 +251,7 @@ def create_app(
             info = engine.fork(src, dst)
         except Exception as exc:  # unknown 404, exists or busy 409, same agent 400
             raise engine_error(exc) from None
-        return {"object": "agent.fork", **info}
+        return {"object": "agent.fork", **asdict(info)}
 
     @router.post("/v1/agents/{agent_id}/append")
     async def append_agent(agent_id: str, body: AppendRequest) -> JSONResponse:
@@ -355,7 +356,7 @@ def serve(
         log.warning("serving on %s without an API key: anyone who can reach it can read and erase agents", host)
     engine = Engine(model, cache_dir, budget, durable=True)
     try:
-        held = exclusive.claim(engine.store.directory)  # noqa: F841  (held for the life of the process)
+        held = exclusive.claim(engine.store_dir)  # noqa: F841  (held for the life of the process)
     except exclusive.DirectoryInUse as exc:
         engine.close()
         raise SystemExit(f"kvshelf serve: {exc}") from None

@@ -170,9 +170,9 @@ def parse_tool_calls(text: str, names: Sequence[str]) -> tuple[str, list[ToolCal
     if OPEN not in text:
         value = _json_value(text)
         items = value if isinstance(value, list) and value else [value]
-        calls = [_as_call(v, allowed) for v in items]
-        if value is not None and all(calls):
-            return "", calls  # type: ignore[return-value]
+        whole = [call for v in items if (call := _as_call(v, allowed)) is not None]
+        if value is not None and len(whole) == len(items):
+            return "", whole
         return text, []
     content_end, calls, pos = len(text), [], 0
     while (start := text.find(OPEN, pos)) >= 0:
