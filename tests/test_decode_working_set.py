@@ -11,6 +11,7 @@ import pytest
 
 from kvshelf.kv.agent_cache import AgentCache
 from kvshelf.kv.batch import batch_views
+from kvshelf.kv.record import agent_cache_from_record, agent_record
 from kvshelf.kv.schemes import DEFAULT_SCHEME, SCHEMES
 from kvshelf.kv.working_set import WorkingSets
 from kvshelf.model.loader import load
@@ -40,7 +41,7 @@ def prefilled(loaded, scheme: str, tokens: list[int]) -> tuple[AgentCache, int]:
     logits = loaded.model(mx.array(tokens)[None], cache=cache.layers)[0, -1]
     mx.eval(logits, cache.arrays())
     cache.tokens = list(tokens)
-    return cache, int(mx.argmax(logits).item())
+    return cache, int(np.array(mx.argmax(logits)))
 
 
 def step(loaded, agents: list[AgentCache], tokens: list[int], caches) -> list[np.ndarray]:
@@ -58,7 +59,8 @@ def old_caches(agents: list[AgentCache]):
 
 def decode(loaded, agents, first, steps, working: WorkingSets | None, schedule=None):
     """Greedy decode; ``schedule(i)`` picks the members of step i (default: all)."""
-    tokens, out = list(first), [[] for _ in agents]
+    tokens = list(first)
+    out: list[list[np.ndarray]] = [[] for _ in agents]
     for i in range(steps):
         members = schedule(i) if schedule else list(range(len(agents)))
         group = [agents[b] for b in members]
@@ -91,7 +93,7 @@ def test_one_agent_is_bit_identical_across_a_block_and_a_window_move(models, kin
     assert_identical(got, want)
     assert mine.tokens == ref.tokens
     # the Q4 blocks came out the same: both caches export the same bits
-    a, b = mine.to_record_parts()[0], ref.to_record_parts()[0]
+    a, b = agent_record(mine).tensors, agent_record(ref).tensors
     assert a.keys() == b.keys() and all(np.array_equal(np.array(a[k]), np.array(b[k])) for k in a)
     if kind == "gemma3_text":  # the window moved during the run
         assert any(c.window and c.start > 0 for c in mine.layers)
@@ -156,8 +158,7 @@ def test_restored_and_forked_agents_continue_bit_identically(models, kind, schem
     ram, first = prefilled(loaded, scheme, prompt(PROMPT_LENGTHS[0], 30))
     token, _ = decode(loaded, [ram], [first], 5, WorkingSets())  # mid-tail: 505 tokens
     # a restore from the agent's record, and a fork that starts on a shared base
-    tensors, meta = ram.to_record_parts()
-    restored = AgentCache.from_record_parts(loaded.spec, list(ram.tokens), tensors, meta)
+    restored = agent_cache_from_record(loaded.spec, agent_record(ram), None)
     prefix = ram.share_prefix()
     assert prefix is not None and len(prefix.tokens) == BLOCK_TOKENS
     forked = ram.fork()

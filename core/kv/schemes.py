@@ -202,7 +202,9 @@ class SchemeLayerCache(QuantizedLayerCache):
                 block = self._dequantize_blocks(self.packed_rows("keys", b0, b1), dtype)
                 parts.append(block[..., lo - b0 : min(hi, full) - b0, :])
             if hi > full:
-                parts.append(self.k_tail[..., max(lo, full) - full : hi - full, :].astype(dtype))
+                tail = self.k_tail
+                assert tail is not None  # rows past ``full`` are the tail's
+                parts.append(tail[..., max(lo, full) - full : hi - full, :].astype(dtype))
             k = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=2)
         return self._sink_rows(k, self.sink_k, lo, hi), self._sink_rows(v, self.sink_v, lo, hi)
 

@@ -115,7 +115,11 @@ class DecodeLayer(BatchLayerView):
         if self.keys is None or self.values is None:
             self._build(keys.dtype)
         self._make_room()
-        new_k, new_v, refreshed = [], [], []
+        kbuf, vbuf = self.keys, self.values
+        assert kbuf is not None and vbuf is not None
+        new_k: list[Rows] = []
+        new_v: list[Rows] = []
+        refreshed: list[tuple[int, int, Rows, Rows]] = []
         for b, m in enumerate(self.members):
             stable, old = m.stable_until, m.offset
             m.append(keys[b : b + 1], values[b : b + 1])
@@ -126,23 +130,23 @@ class DecodeLayer(BatchLayerView):
             if lo < old:
                 refreshed.append((b, old - lo, k, v))
         col = self.end
-        self.keys = self._write(self.keys, slice(None), col, [mx.concatenate(p, axis=0) for p in zip(*new_k)])
-        self.values = self._write(self.values, slice(None), col, [mx.concatenate(p, axis=0) for p in zip(*new_v)])
+        self._write(kbuf, slice(None), col, [mx.concatenate(list(p), axis=0) for p in zip(*new_k)])
+        self._write(vbuf, slice(None), col, [mx.concatenate(list(p), axis=0) for p in zip(*new_v)])
         for b, n, k, v in refreshed:
-            self.keys = self._write(self.keys, slice(b, b + 1), col - n, [x[..., :n, :] for x in k])
-            self.values = self._write(self.values, slice(b, b + 1), col - n, [x[..., :n, :] for x in v])
+            self._write(kbuf, slice(b, b + 1), col - n, [x[..., :n, :] for x in k])
+            self._write(vbuf, slice(b, b + 1), col - n, [x[..., :n, :] for x in v])
         self.end = col + 1
         self.synced = [m.offset for m in self.members]
         width = max(m.offset - m.start for m in self.members)
         cut = lambda buf: _fetched(tuple(x[..., self.end - width : self.end, :] for x in buf))  # noqa: E731
-        return cut(self.keys), cut(self.values)
+        return cut(kbuf), cut(vbuf)
 
     # -- the buffer ----------------------------------------------------------------------
     @staticmethod
-    def _write(buf: Rows, rows: slice, col: int, new: list[mx.array]) -> Rows:
+    def _write(buf: Rows, rows: slice, col: int, new: list[mx.array]) -> None:
+        """Write ``new`` at columns ``col..`` of members ``rows`` (in place: MLX donates the buffer)."""
         for x, y in zip(buf, new):
             x[rows, :, col : col + y.shape[2], :] = y
-        return buf
 
     def _build(self, dtype: mx.Dtype) -> None:
         """Gather every member's rows that the step keeps, once, left-padded into one buffer."""
@@ -202,14 +206,15 @@ class DecodeRun:
         self.keys = list(keys)
         self.agents = [list(layers) for layers in agents]
         index = previous._index() if previous is not None else {}
-        layers = []
+        layers: list[DecodeLayer] = []
         for i, per_layer in enumerate(zip(*self.agents)):
-            carried = []
-            for key, cache in zip(self.keys, per_layer):
+            carried: list[tuple[Rows, Rows] | None] = []
+            for key in self.keys:
                 old = index.get(key)
-                carried.append(previous.layers[i].member_rows(old) if previous and old is not None else None)
+                rows = previous.layers[i].member_rows(old) if previous is not None and old is not None else None
+                carried.append(rows)
             layers.append(DecodeLayer(list(per_layer), carried))
-        self.layers = layers
+        self.layers: list[DecodeLayer] = layers
 
     def _index(self) -> dict[Hashable, int]:
         """Members whose rows are still current: same caches, no token added or removed since."""
