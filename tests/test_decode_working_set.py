@@ -177,6 +177,9 @@ def test_the_pool_budget_counts_the_working_set(models):
     for i, a in enumerate(agents):
         pool.put(f"a{i}", a)
     assert pool.over_budget_victims() == []
-    pool.working_bytes = working.nbytes  # what the step loop sets after each step
-    assert working.nbytes > agents[0].nbytes
+    decoding = [0]  # decode() keys members by their index
+    pool.working_bytes = lambda: working.nbytes_of(decoding)  # as the step loop does
+    assert working.nbytes_of(decoding) == working.nbytes > agents[0].nbytes
     assert pool.over_budget_victims()[:1] == ["a0"]
+    decoding.clear()  # the agent finished: its rows no longer count
+    assert pool.over_budget_victims() == []

@@ -37,7 +37,7 @@ from its blocks, never from stale rows.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Collection, Hashable, Sequence
 from typing import Any
 
 import mlx.core as mx
@@ -260,3 +260,11 @@ class WorkingSets:
     def nbytes(self) -> int:
         """Bytes the working set holds on top of the agents' Q4 blocks."""
         return self.run.nbytes if self.run is not None else 0
+
+    def nbytes_of(self, keys: Collection[Hashable]) -> int:
+        """The bytes that serve the members among ``keys`` (each holds an equal share of
+        every buffer); the rows of members that left go with the next step's rebuild."""
+        if self.run is None or not self.run.keys:
+            return 0
+        staying = sum(1 for key in self.run.keys if key in keys)
+        return self.nbytes * staying // len(self.run.keys)

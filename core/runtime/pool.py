@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 import time
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 from kvshelf.kv.agent_cache import AgentCache
 
@@ -52,9 +52,10 @@ class BlockPool:
         self.budget = parse_bytes(budget)
         self._agents: OrderedDict[str, AgentCache] = OrderedDict()
         self.last_used: dict[str, float] = {}
-        # Bytes the step loop holds for decoding agents on top of their blocks (the decode
-        # working set, ``kvshelf.kv.working_set``): they count against the budget too.
-        self.working_bytes = 0
+        # Bytes the step loop holds for the agents decoding now, on top of their blocks (the
+        # decode working set, ``kvshelf.kv.working_set``): they count against the budget too.
+        # Asked when needed, so an agent that just finished is no longer counted.
+        self.working_bytes: Callable[[], int] = lambda: 0
 
     def get(self, agent_id: str) -> AgentCache | None:
         return self._agents.get(agent_id)
@@ -90,7 +91,7 @@ class BlockPool:
             return []
         rest = list(self._agents.items())
         victims = []
-        while rest and _bytes(c for _, c in rest) + self.working_bytes > self.budget:
+        while rest and _bytes(c for _, c in rest) + self.working_bytes() > self.budget:
             victims.append(rest.pop(0)[0])
         return victims
 

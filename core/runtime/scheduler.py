@@ -131,6 +131,8 @@ class Scheduler:
         self._prefilling: list[Request] = []
         self._decoding: list[Request] = []
         self._working = WorkingSets()  # the decoding agents' rows, kept ready across steps
+        working, decoding = self._working, self._decoding  # counted in the budget (no cycle to self)
+        shelf.pool.working_bytes = lambda: working.nbytes_of(decoding)
         self._stopping = False
         self._closed = False
         self.stats = {"decode_steps": 0, "decoded_tokens": 0, "max_batch": 0, "prefill_calls": 0, "background_calls": 0}
@@ -316,7 +318,6 @@ class Scheduler:
             self._complete(r)
         if not self._decoding:
             self._working.clear()
-            self._shelf.pool.working_bytes = 0
             return False
         batch = list(self._decoding)
         self.stats["decode_steps"] += 1
@@ -327,7 +328,6 @@ class Scheduler:
         caches = self._working.caches(batch, [c.layers for c in held])
         logits = self._model(x, cache=caches)[:, -1]
         mx.eval(logits, [a for c in held for a in c.arrays()], self._working.arrays())
-        self._shelf.pool.working_bytes = self._working.nbytes  # counted in the budget
         for b, r in enumerate(batch):
             held[b].tokens.append(r.next_token)  # type: ignore[arg-type]
             self._accept(r, logits[b])
