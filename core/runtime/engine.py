@@ -21,7 +21,14 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from kvshelf.errors import KVShelfError, StorageError
+from kvshelf.errors import (  # noqa: F401  (the four request errors are re-exported)
+    AgentBusy,
+    AgentExists,
+    ContextLengthExceeded,
+    KVShelfError,
+    StorageError,
+    UnknownAgent,
+)
 from kvshelf.kv.agent_cache import AgentCache
 from kvshelf.kv.record import CacheRecord
 from kvshelf.kv.schemes import DEFAULT_SCHEME
@@ -39,22 +46,6 @@ from kvshelf.storage.prefixes import SharedPrefixes
 from kvshelf.storage.records import RecordStore
 
 log = logging.getLogger(__name__)
-
-
-class ContextLengthExceeded(KVShelfError, ValueError):
-    """The prompt does not fit the model's context window."""
-
-
-class AgentBusy(KVShelfError):
-    """The agent has a request in flight; erase or evict it once that finishes."""
-
-
-class AgentExists(KVShelfError):
-    """A fork would overwrite an agent that already has a cache; forget it first."""
-
-
-class UnknownAgent(KVShelfError, KeyError):
-    """No cache for this agent, in RAM or on disk."""
 
 
 class Engine:
