@@ -190,8 +190,8 @@ class _Shared:
         self.connect_args, self.engine = connect_args, engine
         self.backend: Backend | None = None
         self.lock = threading.Lock()
-        self.conversations: dict[AgentId, dict[str, Any]] = {}
-        self.tools: dict[AgentId, list[dict[str, Any]]] = {}  # the tools each agent was last offered
+        self.conversations: dict[str, dict[str, Any]] = {}
+        self.tools: dict[str, list[dict[str, Any]]] = {}  # the tools each agent was last offered
         self.heard: dict[AgentId, _Heard] = {}  # group-chat agents' last turns, for prefill ahead
         self.closed = False
 
@@ -530,7 +530,7 @@ class KVShelfChatCompletionClient(ChatCompletionClient, Component[KVShelfClientC
         tool_choice: Any,
         json_output: bool | type[BaseModel] | None,
         extra_create_args: Mapping[str, Any],
-    ) -> tuple[str, dict]:
+    ) -> tuple[AgentId, dict]:
         """The agent and the request body of a call. Once an agent has been offered tools,
         a later call without them (or with ``tool_choice="none"``, as AssistantAgent's
         reflection after a tool call does) still shows the model the same tool text,

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import json
 import threading
-from collections.abc import AsyncIterator, Iterator, Mapping
+from collections.abc import AsyncGenerator, Iterator, Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -59,8 +59,8 @@ class Backend(Protocol):
         """:meth:`complete` for asyncio; cancelling the awaiting task cancels the request."""
         ...
 
-    def astream(self, agent_id: AgentId | None, body: Mapping[str, Any]) -> AsyncIterator[dict]:
-        """:meth:`stream` for asyncio."""
+    def astream(self, agent_id: AgentId | None, body: Mapping[str, Any]) -> AsyncGenerator[dict, None]:
+        """:meth:`stream` for asyncio; ``aclose()`` early cancels the request."""
         ...
 
     def append(self, agent_id: AgentId, body: Mapping[str, Any], background: bool = False) -> dict:
@@ -180,7 +180,7 @@ class LocalBackend:
             await stream.aclose()
         return self._c.completion(items, turn, self.model_name)
 
-    async def astream(self, agent_id: AgentId | None, body: Mapping[str, Any]) -> AsyncIterator[dict]:
+    async def astream(self, agent_id: AgentId | None, body: Mapping[str, Any]) -> AsyncGenerator[dict, None]:
         _, turn = self._turn(agent_id, body)
         builder = self._c.ChunkBuilder(turn, self.model_name, _include_usage(body))
         stream = self.engine.astream(turn.agent_id, turn.messages, **turn.options)
@@ -240,7 +240,7 @@ class RemoteBackend:
         self.base_url = base_url.rstrip("/").removesuffix("/v1")
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._client = httpx.Client(base_url=self.base_url, headers=headers, timeout=timeout)
-        self._aclient_args = {"base_url": self.base_url, "headers": headers, "timeout": timeout}
+        self._aclient_args: dict[str, Any] = {"base_url": self.base_url, "headers": headers, "timeout": timeout}
         info = self._get("/v1/models")["data"][0]
         self.model_name = info["id"]
         self.context_length = int(info.get("context_length") or 8192)
@@ -282,7 +282,7 @@ class RemoteBackend:
         _raise_for(response.status_code, response.content)
         return response.json()
 
-    async def astream(self, agent_id: AgentId | None, body: Mapping[str, Any]) -> AsyncIterator[dict]:
+    async def astream(self, agent_id: AgentId | None, body: Mapping[str, Any]) -> AsyncGenerator[dict, None]:
         import httpx
 
         async with httpx.AsyncClient(**self._aclient_args) as client:
@@ -363,7 +363,9 @@ def _sse_data(line: str) -> dict | None:
 def merge_chunks(chunks: list[dict]) -> dict:
     """A whole ``chat.completion``-like message from stream chunks (content, tool calls,
     finish_reason, usage, kvshelf extension): adapters that stream still report one result."""
-    content, calls, finish, usage, ext = "", [], None, None, {}
+    content, finish, usage = "", None, None
+    calls: list[dict] = []
+    ext: dict = {}
     for chunk in chunks:
         usage = chunk.get("usage") or usage
         ext = chunk.get("kvshelf") or ext

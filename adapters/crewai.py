@@ -173,7 +173,7 @@ class KVShelfLLM(BaseLLM):
         from_task: Any,
         from_agent: Any,
         response_model: type[BaseModel] | None,
-    ) -> tuple[list[dict[str, Any]], str, dict[str, Any], bool]:
+    ) -> tuple[list[dict[str, Any]], AgentId, dict[str, Any], bool]:
         """What ``call`` and ``acall`` do before the request: the started event, the
         before-call hooks, the agent and the body (messages, agent id, body, streaming)."""
         self._emit_call_started_event(

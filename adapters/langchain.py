@@ -201,7 +201,7 @@ class ChatKVShelf(BaseChatModel):
         stop: list[str] | None,
         kwargs: Mapping[str, Any],
         run_manager: CallbackManagerForLLMRun | AsyncCallbackManagerForLLMRun | None,
-    ) -> tuple[str, dict[str, Any]]:
+    ) -> tuple[AgentId, dict[str, Any]]:
         """(agent id, OpenAI chat request body) for one call."""
         openai_messages = [_clean(m) for m in convert_to_openai_messages(messages, text_format="string")]
         body: dict[str, Any] = {

@@ -38,9 +38,9 @@ class KVShelfError(Exception):
 class _RequestError(KVShelfError):
     """Base of the errors that are the request's fault (4xx)."""
 
-    status = 400
-    code = None
-    error_type = "invalid_request_error"
+    status: int = 400
+    code: str | None = None
+    error_type: str = "invalid_request_error"
 
 
 class ApiError(_RequestError):
