@@ -43,29 +43,6 @@ class _RequestError(KVShelfError):
     error_type: str = "invalid_request_error"
 
 
-class ApiError(_RequestError):
-    """A refusal whose status and code are decided where it is raised (a bad request
-    field, a missing API key, a body too large), with its OpenAI fields given per instance."""
-
-    def __init__(
-        self,
-        message: str,
-        status: int = 400,
-        code: str | None = None,
-        *,
-        param: str | None = None,
-        error_type: str | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status, self.code, self.param = status, code, param
-        self.error_type = error_type or ("invalid_request_error" if status < 500 else "server_error")
-
-
-class BackendError(ApiError):
-    """What an adapter's backend raises when the engine or the server refused or failed a
-    request: ``status`` and ``code`` as in HTTP, the same in process and remote."""
-
-
 class InvalidAgentId(_RequestError, ValueError):
     """An agent id that cannot safely name a file.
 
@@ -73,6 +50,29 @@ class InvalidAgentId(_RequestError, ValueError):
     """
 
     code = "invalid_agent_id"
+
+
+class StorageError(KVShelfError, OSError):
+    """A record could not be written or read because of the filesystem.
+
+    Typical causes are a full disk (``ENOSPC``), missing permissions
+    (``EACCES``) or a lock that could not be taken in time. ``errno`` and
+    ``filename`` are set when known. When a *save* fails the previously stored
+    record is left untouched. Answered 503: the request was fine, the server is not.
+    """
+
+
+class RecordRejected(KVShelfError):
+    """Why a stored record was judged unusable (and moved to quarantine).
+
+    Internal to the store: ``RecordStore.load`` catches it, quarantines the file
+    and returns ``None`` so that the caller simply recomputes the cache.
+    """
+
+    @property
+    def reason(self) -> str:
+        """The human-readable reason (also written to the ``.reason`` file)."""
+        return str(self.args[0]) if self.args else "unknown reason"
 
 
 class ContextLengthExceeded(_RequestError, ValueError):
@@ -108,24 +108,24 @@ class UnknownAgent(_RequestError, KeyError):
     hint = "."
 
 
-class StorageError(KVShelfError, OSError):
-    """A record could not be written or read because of the filesystem.
+class ApiError(_RequestError):
+    """A refusal whose status and code are decided where it is raised (a bad request
+    field, a missing API key, a body too large), with its OpenAI fields given per instance."""
 
-    Typical causes are a full disk (``ENOSPC``), missing permissions
-    (``EACCES``) or a lock that could not be taken in time. ``errno`` and
-    ``filename`` are set when known. When a *save* fails the previously stored
-    record is left untouched. Answered 503: the request was fine, the server is not.
-    """
+    def __init__(
+        self,
+        message: str,
+        status: int = 400,
+        code: str | None = None,
+        *,
+        param: str | None = None,
+        error_type: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status, self.code, self.param = status, code, param
+        self.error_type = error_type or ("invalid_request_error" if status < 500 else "server_error")
 
 
-class RecordRejected(KVShelfError):
-    """Why a stored record was judged unusable (and moved to quarantine).
-
-    Internal to the store: ``RecordStore.load`` catches it, quarantines the file
-    and returns ``None`` so that the caller simply recomputes the cache.
-    """
-
-    @property
-    def reason(self) -> str:
-        """The human-readable reason (also written to the ``.reason`` file)."""
-        return str(self.args[0]) if self.args else "unknown reason"
+class BackendError(ApiError):
+    """What an adapter's backend raises when the engine or the server refused or failed a
+    request: ``status`` and ``code`` as in HTTP, the same in process and remote."""
