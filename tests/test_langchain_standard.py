@@ -20,12 +20,12 @@ from typing import Any
 
 import pytest
 from langchain_core.messages import AIMessage, HumanMessage
-from langchain_env import offline_langchain_env
 from langchain_tests.integration_tests import ChatModelIntegrationTests
 from langchain_tests.unit_tests import ChatModelUnitTests
 
 from kvshelf.adapters.langchain import ChatKVShelf
 from kvshelf.runtime.engine import Engine
+from tests.support.langchain_env import offline_langchain_env
 
 # Every test gets pytest-asyncio's marker, so the inherited ``async def`` tests run without
 # ``asyncio_mode = "auto"`` (which would change the whole suite); sync tests ignore it.

@@ -3,7 +3,6 @@ requests are served in order, and a crash during a write-behind save loses nothi
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
@@ -11,9 +10,9 @@ import threading
 import time
 
 import pytest
-from conftest import TESTS_DIR
 
 from kvshelf.runtime.engine import Engine
+from tests.support import REPO_ROOT
 
 PROMPTS = {
     "ann": "Tell me about the river that runs past the old mill, and the people who lived there.",
@@ -131,11 +130,10 @@ while True:
 
 @pytest.mark.parametrize("delay", [0.7, 1.3, 2.1])
 def test_kill_during_write_behind_save_leaves_a_usable_record(delay, tiny_dirs, tmp_path):
-    env = dict(os.environ, PYTHONPATH=str(TESTS_DIR))
     proc = subprocess.Popen(
         [sys.executable, "-c", CRASH_LOOP, str(tiny_dirs["llama"]), str(tmp_path)],
         stdout=subprocess.PIPE,
-        env=env,
+        cwd=REPO_ROOT,
     )
     assert proc.stdout.readline().strip() == b"ready"
     time.sleep(delay)  # saves are being written behind all the time by now

@@ -38,7 +38,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-TESTS_DIR = Path(__file__).parent
+from tests.support import REPO_ROOT
+
 AGENTS = ["crash-a", "crash-b", "crash-c", "crash-d"]
 KILL_MODES = ("random", "mid-write", "mid-erase")
 
@@ -140,7 +141,7 @@ class Child:
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,
             text=True,
-            env=dict(os.environ, PYTHONPATH=str(TESTS_DIR)),
+            cwd=REPO_ROOT,
         )
         self.lines: list[str] = []
         self.ready = threading.Event()
