@@ -3,6 +3,7 @@ requests are served in order, and a crash during a write-behind save loses nothi
 
 from __future__ import annotations
 
+import itertools
 import signal
 import subprocess
 import sys
@@ -81,12 +82,13 @@ def test_one_agents_requests_are_served_in_arrival_order(tiny_dirs, tmp_path):
     engine = Engine(model=tiny_dirs["llama"], cache_dir=tmp_path)
     base = PROMPTS["cat"]
     streams = [engine.stream("cat", msgs(base + " more" * i), max_tokens=5) for i in range(3)]
-    done: dict[int, float] = {}
+    finished = itertools.count()  # the order the streams end in (no clock: just a sequence)
+    done: dict[int, int] = {}
     results: dict[int, object] = {}
 
     def consume(i: int) -> None:
         results[i] = list(streams[i])[-1]
-        done[i] = time.perf_counter()
+        done[i] = next(finished)
 
     threads = [threading.Thread(target=consume, args=(i,)) for i in (2, 1, 0)]
     for t in threads:
