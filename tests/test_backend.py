@@ -10,11 +10,11 @@ import asyncio
 from collections.abc import Iterator
 
 import pytest
-from servers import ServerThread
 
 from kvshelf.adapters.backend import BackendError, LocalBackend, RemoteBackend, connect, merge_chunks, shared_engine
 from kvshelf.runtime.engine import Engine
 from kvshelf.serving.server import create_app
+from tests.support.servers import ServerThread
 
 BODY = {
     "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello."}],

@@ -21,10 +21,10 @@ from pathlib import Path
 
 import httpx
 import pytest
-from servers import ServerThread, wait_up
-from tiny import make_tiny_model_dir
 
 import kvshelf  # noqa: F401  (OpenBLAS before mlx)
+from tests.support.servers import ServerThread, wait_up
+from tests.support.tiny import make_tiny_model_dir
 
 openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
