@@ -120,9 +120,8 @@ def test_local_and_remote_fill_a_missing_max_tokens_alike(tmp_path_factory):
     effective limit shows in ``completion_tokens`` and ``finish_reason``. To keep the test
     short the model's context is 600 tokens: the default, cut to what the prompt leaves
     (over 512), is reached on both paths; greedy decoding makes the two replies the same."""
-    from tiny import make_tiny_model_dir
-
     from kvshelf.runtime.params import GenerationParams
+    from tests.support.tiny import make_tiny_model_dir
 
     model = make_tiny_model_dir(
         tmp_path_factory.mktemp("no-eos") / "llama", "llama", eos=False, max_position_embeddings=600

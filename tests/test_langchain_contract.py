@@ -32,6 +32,7 @@ from pydantic import BaseModel
 
 from kvshelf.adapters.langchain import ChatKVShelf, _chat_result
 from kvshelf.runtime.engine import Engine
+from kvshelf.runtime.params import GenerationParams
 from kvshelf.serving.completions import completion, prepare
 from kvshelf.serving.openai_api import ChatCompletionRequest
 from tests.support.langchain_env import offline_langchain_env
@@ -71,7 +72,7 @@ def engine(tiny_dirs, tmp_path_factory) -> Iterator[Engine]:
 
 def seen_by(engine: Engine, agent_id: str) -> str:
     """The text of the agent's cache: its prompt, then its reply."""
-    return byte_tokenizer().decode(list(engine.pool.get(agent_id).tokens))
+    return byte_tokenizer().decode(list(engine._shelf.pool.get(agent_id).tokens))
 
 
 def test_the_tool_schema_reaches_the_prompt(engine):
@@ -99,7 +100,7 @@ def lc_message(engine: Engine, model_text: str, **request: Any) -> AIMessage:
     """``model_text`` as the model's reply, through the server's reply shaping and
     ``ChatKVShelf``'s conversion, next to a real engine result (usage, cache, agent)."""
     req = ChatCompletionRequest(messages=[{"role": "user", "content": "What is the weather in Paris?"}], **request)
-    turn = prepare(req, "parser", 8)
+    turn = prepare(req, "parser", GenerationParams(max_tokens=8))
     result = engine.chat("parser", turn.messages, max_tokens=1)
     body = completion([model_text, result], turn, "tiny")
     return _chat_result(body).generations[0].message  # type: ignore[return-value]
