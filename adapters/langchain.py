@@ -45,6 +45,8 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, SecretStr
 
 from kvshelf.adapters.backend import Backend, connect
 from kvshelf.adapters.identity import agent_key, fallback_key
+from kvshelf.runtime.params import GenerationParams
+from kvshelf.storage.agent_id import AgentId
 
 # Per-call keyword arguments (``invoke(..., **kw)``, ``bind(**kw)``) sent in the request body.
 _BODY_KWARGS = (
@@ -61,6 +63,7 @@ _METADATA_KEYS = ("agent_id", "lc_agent_name")
 # ``stream()``/``astream()`` call ``_stream`` without a run manager: they hand the identity
 # keys of the call's config metadata down in this keyword argument instead.
 _RUN_METADATA = "kvshelf_run_metadata"
+_DEFAULTS = GenerationParams()  # the engine's and the server's defaults, so local and remote agree
 
 
 class ChatKVShelf(BaseChatModel):
@@ -91,7 +94,7 @@ class ChatKVShelf(BaseChatModel):
 
     **Sampling.** ``temperature`` defaults to 0, i.e. greedy decoding (unlike OpenAI's 1),
     so that agents are reproducible and small models stay on track; pass a temperature
-    (and ``seed``) to sample. ``max_tokens`` defaults to the backend's 512.
+    (and ``seed``) to sample. ``max_tokens`` defaults to ``GenerationParams``' 2048, in process or remote.
 
     **Results.** ``usage_metadata`` has ``input_token_details.cache_read``: the prompt
     tokens served from the agent's cache. ``response_metadata`` has ``model_name``,
@@ -116,8 +119,8 @@ class ChatKVShelf(BaseChatModel):
     """RAM budget for resident caches when the in-process engine is created (e.g. "2GB")."""
     agent_id: str | None = None
     """The agent whose cache every call of this instance uses (see the resolution order)."""
-    temperature: float = 0.0
-    """0 (the default) decodes greedily."""
+    temperature: float = _DEFAULTS.temperature
+    """0 (the default, ``GenerationParams``') decodes greedily."""
     max_tokens: int | None = None
     stop: list[str] | None = None
     seed: int | None = None
@@ -179,7 +182,7 @@ class ChatKVShelf(BaseChatModel):
     # -- requests ------------------------------------------------------------------------
     def _resolve_agent(
         self, messages: list[dict], kwargs: Mapping[str, Any], run_metadata: Mapping[str, Any] | None
-    ) -> str:
+    ) -> AgentId:
         if (bound := kwargs.get("agent_id") or self.agent_id) is not None:
             return agent_key(str(bound))
         sources = (run_metadata or {}, kwargs.get(_RUN_METADATA) or {}, ensure_config().get("metadata") or {})
@@ -198,7 +201,7 @@ class ChatKVShelf(BaseChatModel):
         stop: list[str] | None,
         kwargs: Mapping[str, Any],
         run_manager: CallbackManagerForLLMRun | AsyncCallbackManagerForLLMRun | None,
-    ) -> tuple[str, dict[str, Any]]:
+    ) -> tuple[AgentId, dict[str, Any]]:
         """(agent id, OpenAI chat request body) for one call."""
         openai_messages = [_clean(m) for m in convert_to_openai_messages(messages, text_format="string")]
         body: dict[str, Any] = {

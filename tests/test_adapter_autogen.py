@@ -29,12 +29,12 @@ from autogen_core.models import (
 )
 from autogen_core.tools import FunctionTool
 from pydantic import BaseModel
-from servers import ServerThread
-from tiny import make_tiny_model_dir
 
 from kvshelf.adapters.autogen import KVShelfChatCompletionClient, runtime_agent_name, to_openai_messages
 from kvshelf.runtime.engine import Engine
 from kvshelf.serving.server import create_app
+from tests.support.servers import ServerThread
+from tests.support.tiny import make_tiny_model_dir
 
 SYSTEM = SystemMessage(content="You are a terse assistant.")
 

@@ -18,10 +18,10 @@ from collections.abc import Iterator
 from types import SimpleNamespace
 
 import pytest
-from servers import ServerThread
 
 from kvshelf.runtime.engine import Engine
 from kvshelf.serving.server import create_app
+from tests.support.servers import ServerThread
 
 MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Say something."}]
 

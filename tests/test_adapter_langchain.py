@@ -16,14 +16,14 @@ from langchain.agents import create_agent
 from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, ToolMessage
 from langchain_core.runnables import RunnableLambda
 from langchain_core.tools import tool
-from langchain_env import offline_langchain_env
-from servers import ServerThread
 
 from kvshelf.adapters.backend import shared_engine
 from kvshelf.adapters.identity import agent_key, fallback_key
 from kvshelf.adapters.langchain import ChatKVShelf
 from kvshelf.runtime.engine import Engine
 from kvshelf.serving.server import create_app
+from tests.support.langchain_env import offline_langchain_env
+from tests.support.servers import ServerThread
 
 SYSTEM = "You are a member of a small research team. Answer in one short sentence."
 QUESTION = "What is a cache?"

@@ -9,7 +9,6 @@ from __future__ import annotations
 import heapq
 import json
 import math
-import time
 from pathlib import Path
 
 import mlx.core as mx
@@ -108,13 +107,11 @@ def test_directory_layout_and_config(model_dir):
 
 
 def test_second_call_reuses_directory(model_dir):
+    """Nothing is converted again: no file in the directory is added, removed or rewritten."""
     before = {p.name: p.stat().st_mtime_ns for p in model_dir.iterdir()}
-    start = time.perf_counter()
     again = embedded_model_dir(progress=False)
-    elapsed = time.perf_counter() - start
     assert again == model_dir
     assert {p.name: p.stat().st_mtime_ns for p in model_dir.iterdir()} == before
-    assert elapsed < 1.0, f"second call took {elapsed:.2f} s"
 
 
 # --- tokenizer -------------------------------------------------------------------

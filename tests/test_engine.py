@@ -6,10 +6,10 @@ import textwrap
 
 import numpy as np
 import pytest
-from conftest import continue_in_new_process, run_in_subprocess
 
 from kvshelf.errors import InvalidAgentId
 from kvshelf.runtime.engine import Engine
+from tests.support.subprocesses import continue_in_new_process, run_in_subprocess
 
 KINDS = ["llama", "gemma3_text", "deepseek_v2"]
 LONG = " ".join(f"fact {i}: the sky was {['blue', 'grey', 'red'][i % 3]} on day {i}." for i in range(30))

@@ -1,7 +1,7 @@
 """Nothing lost, nothing leaked: crashes, a full disk, two servers on one directory, erasure.
 
 All on tiny random-weight models (tests/tiny.py) and real processes, files and
-filesystems: the crash rounds SIGKILL a real child (tests/crashkit.py; the 50-round
+filesystems: the crash rounds SIGKILL a real child (tests/support/crashkit.py; the 50-round
 version is benchmarks/crash.py), the full disk is a real tmpfs, and the first server on
 a directory is a real ``kvshelf serve`` process.
 """
@@ -24,11 +24,11 @@ from pathlib import Path
 
 import httpx
 import pytest
-from crashkit import KILL_MODES, Ledger, crash_once, warm_restore_check
-from servers import wait_up
-from tiny import make_tiny_model_dir
 
 import kvshelf  # noqa: F401  (OpenBLAS before mlx)
+from tests.support.crashkit import KILL_MODES, Ledger, crash_once, warm_restore_check
+from tests.support.servers import wait_up
+from tests.support.tiny import make_tiny_model_dir
 
 pytest.importorskip("fastapi")
 from starlette.testclient import TestClient  # noqa: E402

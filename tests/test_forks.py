@@ -12,10 +12,10 @@ import threading
 
 import numpy as np
 import pytest
-from conftest import continue_in_new_process
 
 from kvshelf.errors import AgentExists, UnknownAgent
 from kvshelf.runtime.engine import Engine
+from tests.support.subprocesses import continue_in_new_process
 
 PREAMBLE = [{"role": "system", "content": "You are one of four careful planners sharing this brief. " * 12}]
 ASK = PREAMBLE + [{"role": "user", "content": "What should we do first?"}]

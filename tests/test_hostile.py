@@ -18,9 +18,9 @@ from urllib.parse import quote
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from tiny import make_tiny_model_dir
 
 import kvshelf  # noqa: F401  (OpenBLAS before mlx)
+from tests.support.tiny import make_tiny_model_dir
 
 pytest.importorskip("fastapi")
 from starlette.testclient import TestClient  # noqa: E402

@@ -21,10 +21,10 @@ from pathlib import Path
 
 import httpx
 import pytest
-from servers import ServerThread, wait_up
-from tiny import make_tiny_model_dir
 
 import kvshelf  # noqa: F401  (OpenBLAS before mlx)
+from tests.support.servers import ServerThread, wait_up
+from tests.support.tiny import make_tiny_model_dir
 
 openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
@@ -178,6 +178,27 @@ def test_agents_listed_read_and_erased(client, url, served):
         assert r.status_code == 404 and r.json()["error"]["code"] == "agent_not_found"
     r = httpx.get(url + "/v1/agents/bad%20id", headers=AUTH)
     assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_agent_id"
+
+
+def test_a_storage_failure_on_delete_is_a_503_and_the_connection_lives_on(client, url, served):
+    """DELETE used to let ``StorageError`` reach the catch-all handler (which Starlette
+    re-raises); it is now answered like any kvshelf error. The store cannot be made
+    read-only for root, so the failure is a lock another holder keeps past the timeout."""
+    store = served[1]._shelf.store
+    chat(client, "erin", [{"role": "user", "content": "Keep me."}])
+    served[1].flush()
+    timeout, store.lock_timeout = store.lock_timeout, 0.05
+    try:
+        with httpx.Client(base_url=url, headers=AUTH) as http:
+            with store.lock("erin"):  # held by this thread: the engine's thread cannot take it
+                r = http.delete("/v1/agents/erin")
+            assert r.status_code == 503
+            assert r.json()["error"]["code"] == "unavailable" and r.json()["error"]["type"] == "server_error"
+            listed = http.get("/v1/agents")  # the same connection answers the next request
+            assert listed.status_code == 200 and "erin" in {a["id"] for a in listed.json()["data"]}
+            assert http.delete("/v1/agents/erin").status_code == 200
+    finally:
+        store.lock_timeout = timeout
 
 
 # -- tools and JSON mode (the model is random: any well-formed answer) ------------------------

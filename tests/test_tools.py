@@ -214,11 +214,12 @@ def test_json_instruction_and_validation():
 
 # -- a request made ready for the engine ------------------------------------------------------
 def prepared(header: str | None = None, **body):
+    from kvshelf.runtime.params import GenerationParams
     from kvshelf.serving.completions import prepare
     from kvshelf.serving.openai_api import ChatCompletionRequest
 
     body.setdefault("messages", [{"role": "user", "content": "hi"}])
-    return prepare(ChatCompletionRequest.model_validate(body), header, default_max_tokens=99)
+    return prepare(ChatCompletionRequest.model_validate(body), header, GenerationParams(max_tokens=99))
 
 
 def test_prepare_resolves_identity_and_options():
@@ -227,7 +228,8 @@ def test_prepare_resolves_identity_and_options():
     assert prepared("alice", user="bob").agent_id == "alice"  # the header wins
     turn = prepared(max_tokens=5, max_completion_tokens=7, temperature=0, stop="x")
     assert turn.options == {"max_tokens": 7, "temperature": 0, "top_p": 1.0, "stop": "x", "seed": None}
-    assert prepared().options["max_tokens"] == 99 and prepared().options["temperature"] == 1.0
+    # left out: the given defaults; the temperature is GenerationParams' greedy 0, not OpenAI's 1
+    assert prepared().options["max_tokens"] == 99 and prepared().options["temperature"] == 0.0
 
 
 @pytest.mark.parametrize(

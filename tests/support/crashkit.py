@@ -38,7 +38,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-TESTS_DIR = Path(__file__).parent
+from tests.support import REPO_ROOT
+
 AGENTS = ["crash-a", "crash-b", "crash-c", "crash-d"]
 KILL_MODES = ("random", "mid-write", "mid-erase")
 
@@ -141,7 +142,7 @@ class Child:
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,
             text=True,
-            env=dict(os.environ, PYTHONPATH=str(TESTS_DIR)),
+            cwd=REPO_ROOT,
         )
         self.lines: list[str] = []
         self.ready = threading.Event()
@@ -229,6 +230,7 @@ def crash_once(model_dir: Path, cache_dir: Path, ledger: Ledger, seed: int, mode
     records: dict[str, str] = {}
     engine = Engine(model=str(model_dir), cache_dir=cache_dir, progress=False)
     try:
+        cut: tuple[str, ...] = in_flight or ()  # op, agent, ... of the operation cut short
         for aid in AGENTS:
             flying = in_flight is not None and in_flight[1] == aid
             forked_to = in_flight is not None and in_flight[0] == "fork" and in_flight[2] == aid
@@ -243,18 +245,18 @@ def crash_once(model_dir: Path, cache_dir: Path, ledger: Ledger, seed: int, mode
                 tokens = None
             if tokens == expected:
                 records[aid] = "acked" if tokens is not None else "absent"
-            elif flying and in_flight[0] == "forget" and tokens is None:
+            elif flying and cut[0] == "forget" and tokens is None:
                 records[aid] = "erased"
             elif forked_to and tokens is None:  # the fork had erased it first
                 records[aid] = "erased"
-            elif forked_to and tokens is not None and tokens == ledger.tokens[in_flight[1]]:
+            elif forked_to and tokens is not None and tokens == ledger.tokens[cut[1]]:
                 records[aid] = "new"
             elif (
                 flying
-                and in_flight[0] == "chat"
+                and cut[0] == "chat"
                 and tokens is not None
-                and len(tokens) >= int(in_flight[2])
-                and digest(tokens[: int(in_flight[2])]) == in_flight[3]
+                and len(tokens) >= int(cut[2])
+                and digest(tokens[: int(cut[2])]) == cut[3]
             ):
                 records[aid] = "new"
             elif expected is not None and tokens is None:
