@@ -8,7 +8,11 @@ blocks left-padded to a common length, with a mask that hides the padding and ea
 agent's out-of-window keys. Every agent keeps its own RoPE offset.
 
 Agents can join or leave between steps: a view is rebuilt from the member list, so
-membership changes cost nothing beyond the next step's gather.
+membership changes cost nothing beyond the next step's gather. That gather (every
+member's rows, dequantized and padded, every step) is what the decode working set
+(``kvshelf.kv.working_set.DecodeLayer``, the step loop's path) avoids by keeping the
+same layout in a persistent buffer; this view stays as its mask and offset logic and
+as the per-step reference it is tested against.
 """
 
 from __future__ import annotations

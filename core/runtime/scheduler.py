@@ -6,7 +6,8 @@ One worker thread owns the model and every cache. Each step it
    from disk on the I/O thread meanwhile (prefetch), while others keep decoding;
 2. runs one prefill call (at most ``prefill_chunk`` tokens) for the oldest request
    still prefilling, so a long prompt never stalls decoding agents by more than a chunk;
-3. runs one batched decode step for every agent that is generating.
+3. runs one batched decode step for every agent that is generating, over the decode
+   working set (``kvshelf.kv.working_set``), which it keeps while that set is unchanged.
 Every agent's cache is borrowed from the shelf (``kvshelf.runtime.shelf``), which owns
 residency, restoring, saving and the budget, and handed back to it when the request
 ends. Control calls (listing, forking, erasing, evicting agents) run on the worker
