@@ -266,7 +266,7 @@ async def test_tool_call_round_trip(embedded):
     tool = FunctionTool(get_weather, description="The current weather in a city.")
     agent = embedded.for_agent("forecaster")
     messages = ask("What is the weather in Paris? Use the tool.")
-    called = await agent.create(messages, tools=[tool], tool_choice=tool)
+    called = await agent.create(messages, tools=[tool], tool_choice=tool, extra_create_args={"max_tokens": 200})
     assert called.finish_reason == "function_calls"
     (call,) = called.content
     assert isinstance(call, FunctionCall) and call.name == "get_weather" and call.id
