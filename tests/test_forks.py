@@ -66,6 +66,7 @@ def test_shared_blocks_are_stored_once_in_ram_and_on_disk(tiny_dirs, tmp_path):
     files = sorted(p.name for p in shared_dir(engine).glob("*.safetensors"))
     assert files == [f"{prefix.id}.safetensors"]
     assert engine._shelf.shared.users(prefix.id) == ["a", "b", "c", "seed"]
+    assert engine.shared_prefixes() == {prefix.id: ["a", "b", "c", "seed"]}  # the same, through the public API
     disk = {a.agent_id: a.disk_bytes for a in engine.agents()}
     assert all(disk[n] < disk["alone"] for n in ("seed", "a", "b", "c"))
     engine.close()

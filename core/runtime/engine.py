@@ -319,6 +319,13 @@ class Engine:
         """Every agent this engine knows, resident or on disk."""
         return self._scheduler.call(self._shelf.agents)
 
+    def shared_prefixes(self) -> dict[str, list[str]]:
+        """Every shared prefix on disk, with the agents whose records start on it.
+
+        A prefix is the whole blocks that ``fork`` made shared: stored once, however
+        many agents use it, and deleted with its last user."""
+        return self._scheduler.call(self._shelf.shared_prefixes)
+
     def forget(self, agent_id: str) -> ForgetResult:
         """Erase an agent from RAM and disk. Returns what was removed."""
         aid = validate_agent_id(agent_id)

@@ -322,6 +322,10 @@ class Shelf:
             )
         return out
 
+    def shared_prefixes(self) -> dict[str, list[str]]:
+        """Each shared prefix on disk and the agents marked as its users."""
+        return {pid: self.shared.users(pid) for pid in self.shared.on_disk()}
+
     def close(self) -> None:
         """Let every save end (failed ones included), then stop the I/O thread."""
         for fut in list(self._saves.values()):
