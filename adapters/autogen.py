@@ -736,7 +736,7 @@ class KVShelfChatCompletionClient(ChatCompletionClient, Component[KVShelfClientC
         )
 
     @property
-    def capabilities(self) -> ModelCapabilities:  # type: ignore[override]  (deprecated in AutoGen)
+    def capabilities(self) -> ModelCapabilities:  # deprecated in AutoGen; model_info is current
         return cast(ModelCapabilities, {"vision": False, "function_calling": True, "json_output": True})
 
     async def close(self) -> None:

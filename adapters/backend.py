@@ -26,13 +26,14 @@ from __future__ import annotations
 
 import json
 import threading
-from collections.abc import AsyncGenerator, Iterator, Mapping
+from collections.abc import AsyncGenerator, Generator, Mapping
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Protocol
 
 from kvshelf.errors import BackendError
 from kvshelf.runtime.engine import Engine
+from kvshelf.runtime.results import ChatResult
 from kvshelf.storage.agent_id import AgentId
 
 __all__ = ["Backend", "BackendError", "LocalBackend", "RemoteBackend", "connect", "merge_chunks", "shared_engine"]
@@ -52,7 +53,7 @@ class Backend(Protocol):
         """A whole ``chat.completion`` body."""
         ...
 
-    def stream(self, agent_id: AgentId | None, body: Mapping[str, Any]) -> Iterator[dict]:
+    def stream(self, agent_id: AgentId | None, body: Mapping[str, Any]) -> Generator[dict, None, None]:
         """``chat.completion.chunk`` bodies; closing the iterator early cancels the request."""
         ...
 
@@ -147,7 +148,7 @@ class LocalBackend:
             raise self._error(exc) from exc
         return self._c.completion(items, turn, self.model_name)
 
-    def stream(self, agent_id: AgentId | None, body: Mapping[str, Any]) -> Iterator[dict]:
+    def stream(self, agent_id: AgentId | None, body: Mapping[str, Any]) -> Generator[dict, None, None]:
         """Chunk dicts; closing the iterator early cancels the request (the cache is kept)."""
         req, turn = self._turn(agent_id, body)
         builder = self._c.ChunkBuilder(turn, self.model_name, _include_usage(body))
@@ -157,7 +158,7 @@ class LocalBackend:
             raise self._error(exc) from exc
         return self._chunks(builder, items)
 
-    def _chunks(self, builder: Any, items: Iterator) -> Iterator[dict]:
+    def _chunks(self, builder: Any, items: Generator[str | ChatResult, None, None]) -> Generator[dict, None, None]:
         try:
             yield from builder.start()
             for item in items:
@@ -167,7 +168,7 @@ class LocalBackend:
         except Exception as exc:
             raise self._error(exc) from exc
         finally:
-            items.close()  # type: ignore[attr-defined]
+            items.close()
 
     async def acomplete(self, agent_id: AgentId | None, body: Mapping[str, Any]) -> dict:
         """Cancelling the awaiting task cancels the engine request."""
@@ -262,7 +263,7 @@ class RemoteBackend:
         _raise_for(response.status_code, response.content)
         return response.json()
 
-    def stream(self, agent_id: AgentId | None, body: Mapping[str, Any]) -> Iterator[dict]:
+    def stream(self, agent_id: AgentId | None, body: Mapping[str, Any]) -> Generator[dict, None, None]:
         """Closing the iterator early closes the connection, and the server cancels the request."""
         with self._client.stream(
             "POST", "/v1/chat/completions", json={**body, "stream": True}, headers=self._headers(agent_id)

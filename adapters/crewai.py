@@ -49,13 +49,14 @@ import json
 import logging
 import re
 import threading
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
 
 from crewai.events.types.llm_events import LLMCallType
 from crewai.hooks.dispatch import HookAborted
 from crewai.llms.base_llm import BaseLLM, LLMCallBlockedError, llm_call_context
 from crewai.utilities.exceptions.context_window_exceeding_exception import LLMContextLengthExceededError
+from crewai.utilities.types import LLMMessage
 from pydantic import BaseModel, Field, PrivateAttr, model_validator
 
 from kvshelf.adapters.backend import Backend, BackendError, connect, merge_chunks
@@ -124,7 +125,7 @@ class KVShelfLLM(BaseLLM):
                     )
         return self._backend
 
-    def agent_id_for(self, from_agent: Any = None, messages: list[Mapping[str, Any]] | None = None) -> AgentId:
+    def agent_id_for(self, from_agent: Any = None, messages: Sequence[Mapping[str, Any]] | None = None) -> AgentId:
         """The kvshelf agent id a call from ``from_agent`` with ``messages`` uses."""
         if self.agent_id:
             return agent_key(self.agent_id)
@@ -173,7 +174,7 @@ class KVShelfLLM(BaseLLM):
         from_task: Any,
         from_agent: Any,
         response_model: type[BaseModel] | None,
-    ) -> tuple[list[dict[str, Any]], AgentId, dict[str, Any], bool]:
+    ) -> tuple[list[LLMMessage], AgentId, dict[str, Any], bool]:
         """What ``call`` and ``acall`` do before the request: the started event, the
         before-call hooks, the agent and the body (messages, agent id, body, streaming)."""
         self._emit_call_started_event(
@@ -343,6 +344,7 @@ class KVShelfLLM(BaseLLM):
             except ValueError as exc:
                 logger.warning("kvshelf: reply is not a valid %s, returned as text: %s", schema.__name__, exc)
             else:
+                assert isinstance(parsed, BaseModel)  # a schema was given, so it parsed into one
                 self._emit_call_completed_event(
                     response=parsed.model_dump_json(), call_type=LLMCallType.LLM_CALL, **done
                 )

@@ -41,6 +41,7 @@ from langchain_core.messages import (
 from langchain_core.tools import tool
 
 import kvshelf  # noqa: F401  (OpenBLAS before MLX)
+from kvshelf.adapters.backend import LocalBackend, RemoteBackend
 from kvshelf.adapters.langchain import ChatKVShelf
 from kvshelf.paths import kvshelf_home
 
@@ -170,9 +171,9 @@ def main() -> None:
 def forget(llm: ChatKVShelf, names: list[str]) -> None:
     backend = llm.backend
     for name in names:
-        if hasattr(backend, "engine"):
+        if isinstance(backend, LocalBackend):
             backend.engine.forget(name)
-        else:
+        elif isinstance(backend, RemoteBackend):
             backend._client.delete(f"/v1/agents/{name}")  # 404 when it does not exist: fine
 
 

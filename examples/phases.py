@@ -249,9 +249,9 @@ def main() -> None:
     t0 = time.perf_counter()
     result = play(engine, MODES[2], max_tokens=args.max_tokens, namespace=NAMESPACE, on_turn=show)
     engine.flush()
-    shared = {p.id: len(engine._shelf.shared.users(p.id)) for p in engine._shelf.shared.resident()}
+    shared = {pid: len(users) for pid, users in engine.shared_prefixes().items()}
     print(
-        f"\nwall {time.perf_counter() - t0:.1f}s over {len(result['turns'])} turns; shared prefixes in RAM "
+        f"\nwall {time.perf_counter() - t0:.1f}s over {len(result['turns'])} turns; shared prefixes "
         f"(id: agents using it): {shared}"
     )
     for a in engine.agents():

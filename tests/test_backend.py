@@ -89,8 +89,10 @@ def test_errors_are_the_same_backend_error_in_both_modes(backends, agent, body, 
 def test_connect_shares_one_engine_per_model_and_cache_dir(tiny_dirs, tmp_path):
     a = connect(tiny_dirs["llama"], cache_dir=tmp_path)
     b = connect(tiny_dirs["llama"], cache_dir=tmp_path)
-    assert isinstance(a, LocalBackend) and a.engine is b.engine is shared_engine(tiny_dirs["llama"], tmp_path)
-    assert connect(tiny_dirs["llama"], cache_dir=tmp_path / "other").engine is not a.engine
+    assert isinstance(a, LocalBackend) and isinstance(b, LocalBackend)
+    assert a.engine is b.engine is shared_engine(tiny_dirs["llama"], tmp_path)
+    other = connect(tiny_dirs["llama"], cache_dir=tmp_path / "other")
+    assert isinstance(other, LocalBackend) and other.engine is not a.engine
 
 
 def test_fork_and_append_work_alike_in_both_modes(backends):

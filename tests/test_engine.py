@@ -9,6 +9,7 @@ import pytest
 
 from kvshelf.errors import InvalidAgentId
 from kvshelf.runtime.engine import Engine
+from kvshelf.runtime.results import ChatResult
 from tests.support.subprocesses import continue_in_new_process, run_in_subprocess
 
 KINDS = ["llama", "gemma3_text", "deepseek_v2"]
@@ -84,6 +85,7 @@ def test_sliding_window_rewind_and_recompute(tiny_dirs, tmp_path):
     text = LONG[:560]
     warm.chat("dan", convo_of(text), max_tokens=4)
     cache = warm._shelf.pool.get("dan")
+    assert cache is not None
     for layer in cache.layers:
         if layer.window is not None:  # bounded: the window, one slack block, block rounding
             assert layer.offset > 600 and layer.start > 0 and layer.used <= layer.window + 2 * 256
@@ -115,12 +117,16 @@ def test_agents_are_isolated(tiny_dirs, tmp_path):
 def test_budget_spills_lru_agents_and_restores_them(tiny_dirs, tmp_path):
     unbounded = Engine(model=tiny_dirs["llama"], cache_dir=tmp_path / "u")
     unbounded.chat("g0", convo(" agent 0"), max_tokens=5)
-    per_agent = unbounded._shelf.pool.get("g0").nbytes
+    g0 = unbounded._shelf.pool.get("g0")
+    assert g0 is not None
+    per_agent = g0.nbytes
     engine = Engine(model=tiny_dirs["llama"], cache_dir=tmp_path / "b", budget=int(per_agent * 2.5))
+    budget = engine._shelf.pool.budget
+    assert budget is not None
     replies = {}
     for i in range(4):
         replies[f"g{i}"] = engine.chat(f"g{i}", convo(f" agent {i}"), max_tokens=5)
-        assert engine._shelf.pool.resident_bytes <= engine._shelf.pool.budget
+        assert engine._shelf.pool.resident_bytes <= budget
     assert "g0" not in engine._shelf.pool and "g3" in engine._shelf.pool
     msgs = follow_up(convo(" agent 0"), replies["g0"].text, "next?")
     r = engine.chat("g0", msgs, max_tokens=5)
@@ -128,7 +134,7 @@ def test_budget_spills_lru_agents_and_restores_them(tiny_dirs, tmp_path):
     ref = Engine(model=tiny_dirs["llama"], cache_dir=tmp_path / "r")
     ref.chat("g0", convo(" agent 0"), max_tokens=5)
     assert r.token_ids == ref.chat("g0", msgs, max_tokens=5).token_ids
-    assert engine._shelf.pool.resident_bytes <= engine._shelf.pool.budget
+    assert engine._shelf.pool.resident_bytes <= budget
 
 
 @pytest.mark.parametrize("bad", ["", "../etc/passwd", "a/b", "x" * 300, "naïve", None, 5])
@@ -211,7 +217,8 @@ def test_stop_strings_and_streaming(tiny_dirs, tmp_path):
     assert r.finish_reason == "stop" and stop not in r.text and full.text.startswith(r.text)
     chunks = list(engine.stream("lee", convo(), max_tokens=20))
     assert "".join(c for c in chunks if isinstance(c, str)) == full.text
-    assert chunks[-1].text == full.text
+    last = chunks[-1]
+    assert isinstance(last, ChatResult) and last.text == full.text
 
 
 def test_async_twins_match_sync(tiny_dirs, tmp_path):
@@ -249,6 +256,7 @@ def test_records_name_their_kv_scheme(tiny_dirs, tmp_path):
     # forge a record that claims a scheme this build does not know
     default.flush()
     record = default._shelf.store.load("olga")
+    assert record is not None
     record.meta["scheme"] = "q3-future-scheme"
     default._shelf.store.save("olga", CacheRecord(record.tokens, record.tensors, record.meta))
     default.evict("olga")

@@ -33,16 +33,32 @@ from tests.support.tiny import make_tiny_model_dir
 pytest.importorskip("fastapi")
 from starlette.testclient import TestClient  # noqa: E402
 
-from kvshelf.kv.agent_cache import common_prefix_length  # noqa: E402
+from kvshelf.kv.agent_cache import AgentCache, common_prefix_length  # noqa: E402
+from kvshelf.kv.record import CacheRecord  # noqa: E402
 from kvshelf.runtime.engine import Engine  # noqa: E402
 from kvshelf.serving.server import create_app, serve  # noqa: E402
 from kvshelf.storage import exclusive  # noqa: E402
 from kvshelf.storage import records as store_module  # noqa: E402
+from kvshelf.storage.agent_id import AgentId  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory) -> Path:
     return make_tiny_model_dir(tmp_path_factory.mktemp("faults-model") / "llama", "llama")
+
+
+def resident(engine: Engine, aid: str) -> AgentCache:
+    """The agent's cache in RAM, where the test's last turn left it."""
+    cache = engine._shelf.pool.get(aid)
+    assert cache is not None
+    return cache
+
+
+def on_disk(engine: Engine, aid: str) -> CacheRecord:
+    """The agent's record, which the test knows was saved."""
+    record = engine._shelf.store.load(aid)
+    assert record is not None
+    return record
 
 
 def ask(client: TestClient, agent: str, content: str, **extra) -> dict:
@@ -68,7 +84,7 @@ def test_durable_engine_answers_once_the_turn_is_on_disk(llama, tmp_path):
     engine = Engine(model=llama, cache_dir=tmp_path, durable=True, progress=False)
     r = engine.chat("dee", [{"role": "user", "content": "hello"}], max_tokens=3)
     # nothing was flushed: the answer itself waited for the save
-    assert r.saved is True and engine._shelf.store.token_count("dee") == len(engine._shelf.pool.get("dee").tokens)
+    assert r.saved is True and engine._shelf.store.token_count("dee") == len(resident(engine, "dee").tokens)
     assert (
         Engine(model=llama, cache_dir=tmp_path, progress=False)
         .chat("x", [{"role": "user", "content": "a"}], max_tokens=1)
@@ -116,7 +132,7 @@ def test_full_disk_save_fails_clearly_serving_goes_on_and_the_save_is_retried(
     assert first["kvshelf"]["saved"] is True
     path = engine._shelf.store.path_for("fay")
     good = path.read_bytes()
-    good_tokens = engine._shelf.store.load("fay").tokens
+    good_tokens = on_disk(engine, "fay").tokens
 
     if small_disk is not None:
         filler = fill(small_disk)
@@ -144,7 +160,7 @@ def test_full_disk_save_fails_clearly_serving_goes_on_and_the_save_is_retried(
         filler.unlink()
     else:
         monkeypatch.undo()
-    in_ram = list(engine._shelf.pool.get("fay").tokens)
+    in_ram = list(resident(engine, "fay").tokens)
     deadline = time.monotonic() + 60  # retries back off from 1 s; nobody calls flush()
     while engine._shelf.store.token_count("fay") != len(in_ram):
         assert time.monotonic() < deadline, "the failed save was never retried"
@@ -152,7 +168,7 @@ def test_full_disk_save_fails_clearly_serving_goes_on_and_the_save_is_retried(
     assert engine._shelf.unsaved == set() and engine.flush() == []
     engine.close()
     restarted = Engine(model=llama, cache_dir=root, progress=False)
-    assert restarted._shelf.store.load("fay").tokens == in_ram  # the third turn, written by a retry
+    assert on_disk(restarted, "fay").tokens == in_ram  # the third turn, written by a retry
     fourth = [{"role": "user", "content": "Remember the number 42. And 43? And 44? 45?"}]
     again = restarted.chat("fay", fourth, max_tokens=2)
     reusable = common_prefix_length(in_ram, restarted._encode(fourth))
@@ -242,7 +258,7 @@ def test_delete_erases_every_file_block_and_byte_of_the_agent(llama, tmp_path):
     store.path_for("zed").write_bytes(good[:-100])  # torn: quarantined on the next load
     assert ask(client, "zed", "I am zed. More.")["kvshelf"]["cache"] == "cold"
     assert len(list(store.quarantine_dir.glob("zed.*"))) == 2  # the record and its reason
-    cache = engine._shelf.pool.get("zed")
+    cache = resident(engine, "zed")
     blocks = weakref.ref(cache)
     arrays = [weakref.ref(a) for a in cache.arrays()]
     assert arrays
@@ -262,7 +278,7 @@ def test_delete_erases_every_file_block_and_byte_of_the_agent(llama, tmp_path):
         and "zed" not in engine._shelf.pool.last_used
         and "zed" not in engine._shelf.unsaved
     )
-    assert "zed" not in engine._shelf._saves and not engine._shelf.lent("zed")
+    assert "zed" not in engine._shelf._saves and not engine._shelf.lent(AgentId("zed"))
     assert client.get("/v1/agents/zed").status_code == 404
     assert client.delete("/v1/agents/zed").status_code == 404
     assert "zed" not in {a["id"] for a in client.get("/v1/agents").json()["data"]}
@@ -273,7 +289,7 @@ def test_delete_erases_every_file_block_and_byte_of_the_agent(llama, tmp_path):
     # an agent known only by a quarantined record is still erasable
     assert engine.evict("zed")
     store.path_for("zed").write_bytes(b"garbage")
-    assert engine._shelf.load("zed") is None  # quarantined, so no longer listed
+    assert engine._shelf.load(AgentId("zed")) is None  # quarantined, so no longer listed
     assert client.get("/v1/agents/zed").status_code == 404
     r = client.delete("/v1/agents/zed")
     assert r.status_code == 200 and any(n.endswith(".reason") for n in r.json()["files_removed"])

@@ -27,6 +27,7 @@ from typing import Any, TypedDict
 import pytest
 from langchain_core.exceptions import OutputParserException
 from langchain_core.messages import AIMessage, HumanMessage
+from langchain_core.runnables import RunnableSequence
 from langchain_core.tools import tool
 from pydantic import BaseModel
 
@@ -72,7 +73,9 @@ def engine(tiny_dirs, tmp_path_factory) -> Iterator[Engine]:
 
 def seen_by(engine: Engine, agent_id: str) -> str:
     """The text of the agent's cache: its prompt, then its reply."""
-    return byte_tokenizer().decode(list(engine._shelf.pool.get(agent_id).tokens))
+    cache = engine._shelf.pool.get(agent_id)
+    assert cache is not None, f"{agent_id} has no cache"
+    return byte_tokenizer().decode(list(cache.tokens))
 
 
 def test_the_tool_schema_reaches_the_prompt(engine):
@@ -99,11 +102,15 @@ def test_a_forced_tool_opens_the_reply_with_its_call(engine):
 def lc_message(engine: Engine, model_text: str, **request: Any) -> AIMessage:
     """``model_text`` as the model's reply, through the server's reply shaping and
     ``ChatKVShelf``'s conversion, next to a real engine result (usage, cache, agent)."""
-    req = ChatCompletionRequest(messages=[{"role": "user", "content": "What is the weather in Paris?"}], **request)
+    req = ChatCompletionRequest.model_validate(
+        {"messages": [{"role": "user", "content": "What is the weather in Paris?"}], **request}
+    )
     turn = prepare(req, "parser", GenerationParams(max_tokens=8))
     result = engine.chat("parser", turn.messages, max_tokens=1)
     body = completion([model_text, result], turn, "tiny")
-    return _chat_result(body).generations[0].message  # type: ignore[return-value]
+    message = _chat_result(body).generations[0].message
+    assert isinstance(message, AIMessage)
+    return message
 
 
 def test_the_reply_parser_maps_tool_call_text_to_langchain_tool_calls(engine):
@@ -134,8 +141,10 @@ def test_structured_output_shows_the_schema_and_raises_on_a_reply_that_is_not_it
     assert '"city"' in prompt and '"country"' in prompt  # the schema was shown to the model
 
     raw = llm.with_structured_output(City, include_raw=True).invoke(QUESTION)
-    assert set(raw) == {"raw", "parsed", "parsing_error"}
-    assert isinstance(raw["raw"], AIMessage) and raw["raw"].content.startswith("{")
+    assert isinstance(raw, dict) and set(raw) == {"raw", "parsed", "parsing_error"}
+    assert (
+        isinstance(raw["raw"], AIMessage) and isinstance(raw["raw"].content, str) and raw["raw"].content.startswith("{")
+    )
     assert raw["parsed"] is None and isinstance(raw["parsing_error"], OutputParserException)
 
 
@@ -147,26 +156,27 @@ def test_structured_output_with_a_dict_schema_shows_it_and_returns_a_dict(engine
     raw = llm.with_structured_output(schema, include_raw=True).invoke(QUESTION)
     prompt = seen_by(engine, "structured-dict")
     assert '"city"' in prompt and '"country"' in prompt
+    assert isinstance(raw, dict)
     assert raw["raw"].content.startswith("{") and isinstance(raw["parsed"], dict) and raw["parsing_error"] is None
 
 
 def test_structured_output_validates_a_reply_that_is_the_schema(engine):
     """The parsing half on its own: the same runnable's parser on a reply that fits."""
     reply = AIMessage('{"city": "Paris", "country": "France"}')
-    assert ChatKVShelf(engine=engine).with_structured_output(City).last.invoke(reply) == City(  # type: ignore[attr-defined]
-        city="Paris", country="France"
-    )
+    chain = ChatKVShelf(engine=engine).with_structured_output(City)
+    assert isinstance(chain, RunnableSequence)  # the model, then its parser
+    assert chain.last.invoke(reply) == City(city="Paris", country="France")
     with pytest.raises(OutputParserException):  # valid JSON, wrong keys: pydantic validation fails
-        ChatKVShelf(engine=engine).with_structured_output(City).last.invoke(AIMessage('{"name": "cat"}'))  # type: ignore[attr-defined]
+        chain.last.invoke(AIMessage('{"name": "cat"}'))
 
 
 def test_json_mode_returns_the_raw_text_when_the_reply_is_not_json(engine):
     llm = ChatKVShelf(engine=engine, max_tokens=6, agent_id="json-mode")
     msg = llm.bind(response_format={"type": "json_object"}).invoke(QUESTION)
-    assert msg.content.startswith("{")  # JSON mode opens the reply with the object
+    assert isinstance(msg.content, str) and msg.content.startswith("{")  # JSON mode opens the reply with the object
     with pytest.raises(json.JSONDecodeError):
         json.loads(msg.content)  # noise from a random model: returned as generated, not repaired
-    assert msg.response_metadata["finish_reason"] == "length"
+    assert msg.response_metadata["finish_reason"] == "length" and msg.usage_metadata is not None
     assert len(msg.content) == 1 + 6 == 1 + msg.usage_metadata["output_tokens"]  # "{", then every byte generated
 
     with pytest.raises(OutputParserException):  # json_mode with a pydantic class validates it

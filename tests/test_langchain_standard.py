@@ -16,9 +16,10 @@ file needs no ``asyncio_mode = "auto"`` and nothing changes for the rest of the 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Literal
 
 import pytest
+from langchain_core.language_models import BaseChatModel
 from langchain_core.messages import AIMessage, HumanMessage
 from langchain_tests.integration_tests import ChatModelIntegrationTests
 from langchain_tests.unit_tests import ChatModelUnitTests
@@ -131,7 +132,12 @@ class TestChatKVShelfIntegration(ChatModelIntegrationTests):
         return False  # one model per engine; a per-call ``model`` is accepted and ignored
 
     @property
-    def supported_usage_metadata_details(self) -> dict[str, list[str]]:
+    def supported_usage_metadata_details(
+        self,
+    ) -> dict[
+        Literal["invoke", "stream"],
+        list[Literal["audio_input", "audio_output", "reasoning_output", "cache_read_input", "cache_creation_input"]],
+    ]:
         return {"invoke": ["cache_read_input"], "stream": ["cache_read_input"]}
 
     def invoke_with_cache_read_input(self, *, stream: bool = False) -> AIMessage:
@@ -156,18 +162,18 @@ class TestChatKVShelfIntegration(ChatModelIntegrationTests):
         strict=True,
     )
     @pytest.mark.parametrize("model", [{}, {"output_version": "v1"}], indirect=True)
-    def test_tool_calling(self, model: ChatKVShelf) -> None:
+    def test_tool_calling(self, model: BaseChatModel) -> None:
         super().test_tool_calling(model)
 
     @pytest.mark.xfail(reason="270M model: invents the argument key ({'value': '3'}, not {'input': 3})", strict=True)
-    async def test_tool_calling_async(self, model: ChatKVShelf) -> None:
+    async def test_tool_calling_async(self, model: BaseChatModel) -> None:
         await super().test_tool_calling_async(model)
 
     @pytest.mark.xfail(
         reason="270M model: copies the tool's JSON schema into the arguments instead of choosing an answer_style",
         strict=True,
     )
-    def test_bind_runnables_as_tools(self, model: ChatKVShelf) -> None:
+    def test_bind_runnables_as_tools(self, model: BaseChatModel) -> None:
         super().test_bind_runnables_as_tools(model)
 
     @pytest.mark.xfail(
@@ -175,7 +181,7 @@ class TestChatKVShelfIntegration(ChatModelIntegrationTests):
         "'function_name' from the calling instructions instead of picking a tool",
         strict=True,
     )
-    def test_tool_choice(self, model: ChatKVShelf) -> None:
+    def test_tool_choice(self, model: BaseChatModel) -> None:
         super().test_tool_choice(model)
 
     @pytest.mark.xfail(
@@ -183,7 +189,7 @@ class TestChatKVShelfIntegration(ChatModelIntegrationTests):
         "'properties': {}}) as the arguments of a no-argument tool",
         strict=True,
     )
-    def test_tool_calling_with_no_arguments(self, model: ChatKVShelf) -> None:
+    def test_tool_calling_with_no_arguments(self, model: BaseChatModel) -> None:
         super().test_tool_calling_with_no_arguments(model)
 
     # Asked for a Joke object, the model answers with (a piece of) the Joke *schema*. Greedy
@@ -193,19 +199,23 @@ class TestChatKVShelfIntegration(ChatModelIntegrationTests):
     # result is a dict; LangChain's JSON parser checks no keys). What kvshelf controls here
     # (schema in the prompt, parse or raise) is tested on a tiny model in test_langchain_contract.py.
     @pytest.mark.parametrize("schema_type", [_PYDANTIC_FAILS, "typeddict", "json_schema"])
-    def test_structured_output(self, model: ChatKVShelf, schema_type: str) -> None:
-        super().test_structured_output(model, schema_type)  # type: ignore[arg-type]
+    def test_structured_output(
+        self, model: BaseChatModel, schema_type: Literal["pydantic", "typeddict", "json_schema"]
+    ) -> None:
+        super().test_structured_output(model, schema_type)
 
     @pytest.mark.parametrize("schema_type", [_PYDANTIC_FAILS, "typeddict", "json_schema"])
-    async def test_structured_output_async(self, model: ChatKVShelf, schema_type: str) -> None:
-        await super().test_structured_output_async(model, schema_type)  # type: ignore[arg-type]
+    async def test_structured_output_async(
+        self, model: BaseChatModel, schema_type: Literal["pydantic", "typeddict", "json_schema"]
+    ) -> None:
+        await super().test_structured_output_async(model, schema_type)
 
     @pytest.mark.xfail(reason="270M model: writes the Joke JSON schema back instead of a joke", strict=True)
-    def test_structured_output_pydantic_2_v1(self, model: ChatKVShelf) -> None:
+    def test_structured_output_pydantic_2_v1(self, model: BaseChatModel) -> None:
         super().test_structured_output_pydantic_2_v1(model)
 
     @pytest.mark.xfail(reason="270M model: writes the Joke JSON schema back instead of a joke", strict=True)
-    def test_structured_output_optional_param(self, model: ChatKVShelf) -> None:
+    def test_structured_output_optional_param(self, model: BaseChatModel) -> None:
         super().test_structured_output_optional_param(model)
 
     @pytest.mark.xfail(
@@ -213,7 +223,7 @@ class TestChatKVShelfIntegration(ChatModelIntegrationTests):
         "valid JSON with keys of its own ({'name': 'cat', 'version': ...})",
         strict=True,
     )
-    def test_json_mode(self, model: ChatKVShelf) -> None:
+    def test_json_mode(self, model: BaseChatModel) -> None:
         super().test_json_mode(model)
 
     @pytest.mark.xfail(
@@ -221,7 +231,7 @@ class TestChatKVShelfIntegration(ChatModelIntegrationTests):
         strict=True,
     )
     @pytest.mark.parametrize("model", [{}, {"output_version": "v1"}], indirect=True)
-    def test_agent_loop(self, model: ChatKVShelf) -> None:
+    def test_agent_loop(self, model: BaseChatModel) -> None:
         super().test_agent_loop(model)
 
     @pytest.mark.xfail(
@@ -230,6 +240,6 @@ class TestChatKVShelfIntegration(ChatModelIntegrationTests):
         strict=True,
     )
     def test_unicode_tool_call_integration(
-        self, model: ChatKVShelf, *, tool_choice: str | None = None, force_tool_call: bool = True
+        self, model: BaseChatModel, *, tool_choice: str | None = None, force_tool_call: bool = True
     ) -> None:
         super().test_unicode_tool_call_integration(model, tool_choice=tool_choice, force_tool_call=force_tool_call)

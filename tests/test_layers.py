@@ -44,7 +44,7 @@ def modules() -> dict[str, Path]:
 def imports_of(module: str, path: Path) -> set[str]:
     """Every kvshelf module this one imports, absolute or relative, anywhere in the file."""
     package = module if path.name == "__init__.py" else module.rsplit(".", 1)[0]
-    out = set()
+    out: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
             out.update(a.name for a in node.names)

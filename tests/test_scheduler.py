@@ -9,10 +9,12 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterable
 
 import pytest
 
 from kvshelf.runtime.engine import Engine
+from kvshelf.runtime.results import ChatResult
 from tests.support import REPO_ROOT
 
 PROMPTS = {
@@ -25,6 +27,13 @@ PROMPTS = {
 
 def msgs(text: str) -> list[dict]:
     return [{"role": "system", "content": "You answer briefly."}, {"role": "user", "content": text}]
+
+
+def final(stream: Iterable[str | ChatResult]) -> ChatResult:
+    """Drain a stream: text chunks, then the ChatResult it must end with."""
+    last = list(stream)[-1]
+    assert isinstance(last, ChatResult)
+    return last
 
 
 def run_concurrently(engine: Engine, jobs: dict[str, tuple[str, int]]) -> dict:
@@ -71,11 +80,11 @@ def test_agents_join_a_running_batch(tiny_dirs, tmp_path):
     first = next(long_run)  # ann is decoding now
     assert isinstance(first, str)
     joined = engine.chat("ben", msgs(PROMPTS["ben"]), max_tokens=8)  # admitted between steps
-    rest = list(long_run)
+    rest = final(long_run)
     assert engine.stats["max_batch"] == 2
-    assert rest[-1].usage.completion_tokens == 60, "ann kept decoding while ben came and went"
+    assert rest.usage.completion_tokens == 60, "ann kept decoding while ben came and went"
     assert joined.token_ids == ref.chat("ben", msgs(PROMPTS["ben"]), max_tokens=8).token_ids
-    assert rest[-1].token_ids == ref.chat("ann", msgs(PROMPTS["ann"]), max_tokens=60).token_ids
+    assert rest.token_ids == ref.chat("ann", msgs(PROMPTS["ann"]), max_tokens=60).token_ids
 
 
 def test_one_agents_requests_are_served_in_arrival_order(tiny_dirs, tmp_path):
@@ -84,10 +93,10 @@ def test_one_agents_requests_are_served_in_arrival_order(tiny_dirs, tmp_path):
     streams = [engine.stream("cat", msgs(base + " more" * i), max_tokens=5) for i in range(3)]
     finished = itertools.count()  # the order the streams end in (no clock: just a sequence)
     done: dict[int, int] = {}
-    results: dict[int, object] = {}
+    results: dict[int, ChatResult] = {}
 
     def consume(i: int) -> None:
-        results[i] = list(streams[i])[-1]
+        results[i] = final(streams[i])
         done[i] = next(finished)
 
     threads = [threading.Thread(target=consume, args=(i,)) for i in (2, 1, 0)]
@@ -109,11 +118,11 @@ def test_long_prefill_does_not_stall_decoding_agents(tiny_dirs, tmp_path):
     before = dict(engine.stats)
     long_prompt = " ".join(PROMPTS.values()) * 8  # ~2K byte tokens: ~30 prefill chunks
     engine.chat("ann", msgs(long_prompt), max_tokens=2)
-    rest = list(decoding)
+    rest = final(decoding)
     # dov kept decoding between ann's prefill chunks: decode steps ran in between
     assert engine.stats["prefill_calls"] - before["prefill_calls"] >= 25
     assert engine.stats["decode_steps"] - before["decode_steps"] >= 25
-    assert rest[-1].usage.completion_tokens == 40
+    assert rest.usage.completion_tokens == 40
 
 
 CRASH_LOOP = """
@@ -137,6 +146,7 @@ def test_kill_during_write_behind_save_leaves_a_usable_record(delay, tiny_dirs, 
         stdout=subprocess.PIPE,
         cwd=REPO_ROOT,
     )
+    assert proc.stdout is not None
     assert proc.stdout.readline().strip() == b"ready"
     time.sleep(delay)  # saves are being written behind all the time by now
     proc.send_signal(signal.SIGKILL)

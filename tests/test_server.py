@@ -18,6 +18,7 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import httpx
 import pytest
@@ -25,6 +26,9 @@ import pytest
 import kvshelf  # noqa: F401  (OpenBLAS before mlx)
 from tests.support.servers import ServerThread, wait_up
 from tests.support.tiny import make_tiny_model_dir
+
+if TYPE_CHECKING:
+    from openai import OpenAI
 
 openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
@@ -66,7 +70,7 @@ def url(served) -> str:
 
 
 @pytest.fixture
-def client(url) -> openai.OpenAI:
+def client(url) -> OpenAI:
     return openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0, timeout=60)
 
 
@@ -227,7 +231,7 @@ def test_tool_requests_answer_well_formed(client, tool_choice):
 
 
 def test_tools_are_rendered_and_a_tool_conversation_reuses_the_cache(client):
-    user = [{"role": "system", "content": "You help."}, {"role": "user", "content": "Weather in Oslo?"}]
+    user: list[dict] = [{"role": "system", "content": "You help."}, {"role": "user", "content": "Weather in Oslo?"}]
     plain = chat(client, None, user, tools=TOOLS, tool_choice="none")
     first = chat(client, "tina", user, tools=TOOLS)
     assert first.usage.prompt_tokens > plain.usage.prompt_tokens + 50  # the tool text is in the prompt

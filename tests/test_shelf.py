@@ -18,7 +18,7 @@ from kvshelf.model.loader import load
 from kvshelf.runtime.engine import Engine
 from kvshelf.runtime.events import Event, Finished, Text
 from kvshelf.runtime.params import GenerationParams
-from kvshelf.runtime.results import ForgetResult, ForkResult
+from kvshelf.runtime.results import ChatResult, ForgetResult, ForkResult
 from kvshelf.runtime.sampling import Sampler
 from kvshelf.runtime.scheduler import Request, Scheduler
 from kvshelf.runtime.shelf import Shelf
@@ -95,7 +95,9 @@ def test_generation_params_with_keyword_overrides(tiny_dirs, tmp_path):
         overridden = engine.chat(None, ASK, three, max_tokens=6)
         assert overridden.token_ids == engine.chat(None, ASK, max_tokens=6).token_ids
         streamed = list(engine.stream(None, ASK, three))
-        assert streamed[-1].token_ids == by_params.token_ids and "".join(streamed[:-1]) == by_params.text
+        last, chunks = streamed[-1], [c for c in streamed[:-1] if isinstance(c, str)]
+        assert isinstance(last, ChatResult) and len(chunks) == len(streamed) - 1
+        assert last.token_ids == by_params.token_ids and "".join(chunks) == by_params.text
         sampled = GenerationParams(max_tokens=6, temperature=1.0, seed=7)
         assert engine.chat(None, ASK, sampled).token_ids == engine.chat(None, ASK, sampled).token_ids
         with pytest.raises(ValueError):

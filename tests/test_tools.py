@@ -12,6 +12,8 @@ from kvshelf.model.template import ChatMLTemplate, GemmaTemplate
 from kvshelf.serving.json_mode import JsonObjectCutter, instruction, is_valid_json
 from kvshelf.serving.tools import (
     ToolCallStream,
+    complete_json_prefix,
+    end_of_call,
     name_tool_results,
     opening,
     parse_tool_calls,
@@ -276,3 +278,28 @@ def test_jinja_templates_open_the_assistant_turn_too():
     opened = template.render([*msgs, {"role": "assistant", "content": "{", "prefix": True}])
     assert opened == template.render(msgs) + "{"
     assert template.render([*msgs, {"role": "assistant", "content": '{"a": 1}'}], False).startswith(opened)
+
+
+def test_a_call_cut_short_inside_its_tag_is_completed_only_by_closing_brackets():
+    assert complete_json_prefix('{"name": "f", "arguments": {"a": [1, 2') == '{"name": "f", "arguments": {"a": [1, 2]}}'
+    assert complete_json_prefix('{"a": 1,') == '{"a": 1}'
+    for broken in ('{"a": "unterminated', '{"a": }', '{"a": 1}}', "[1, 2", '{"a": tru', "plain text", ""):
+        assert complete_json_prefix(broken) is None, broken
+    content, calls = parse_tool_calls('<tool_call>{"name": "f", "arguments": {"city": "Paris"', ["f"])
+    assert content == "" and [(c.name, json.loads(c.arguments)) for c in calls] == [("f", {"city": "Paris"})]
+    content, calls = parse_tool_calls('<tool_call>{"name": "f", "arguments": {"city": "Par', ["f"])
+    assert calls == [] and content.startswith("<tool_call>")  # cut inside a string: not a call
+    # the reply ended inside the closing tag (the model wrote "</tool_call" and ended its turn)
+    content, calls = parse_tool_calls('<tool_call>{"name": "f", "arguments": {"a": 1</tool_call', ["f"])
+    assert content == "" and [json.loads(c.arguments) for c in calls] == [{"a": 1}]
+
+
+def test_a_forced_call_ends_where_its_object_closes_or_at_the_closing_tag():
+    opening = '<tool_call>{"name": "f", "arguments":'
+    until = end_of_call(opening)
+    reply = ' {"a": 1}} trailing'
+    assert until(reply) == reply.index("}}") + 2
+    until = end_of_call(opening)
+    reply = ' {"a": 1</tool_call> more'
+    assert until(reply) == reply.index("</tool_call>")
+    assert end_of_call(opening)(' {"a": 1') == -1

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
-from kvshelf.kv.blocks import QuantizedLayerCache, SharedLayer
+from kvshelf.kv.blocks import QTriple, QuantizedLayerCache, SharedLayer
 from kvshelf.kv.schemes import DEFAULT_SCHEME, SCHEMES, KVScheme
 from kvshelf.kv.shared import SharedPrefix, prefix_id
 from kvshelf.model.spec import BLOCK_TOKENS, ModelCacheSpec
@@ -65,7 +65,12 @@ class AgentCache:
             if rows <= 0 or c.keys is None:
                 layers.append(None)
                 continue
-            block = lambda q: tuple(mx.contiguous(x[..., :rows, :]) for x in q)  # noqa: E731
+            assert c.values is not None  # set together with keys
+
+            def block(q: QTriple, rows: int = rows) -> QTriple:
+                w, scales, biases = (mx.contiguous(x[..., :rows, :]) for x in q)
+                return w, scales, biases
+
             base = SharedLayer(block(c.keys), block(c.values), c.start)
             mx.eval(*base.keys, *base.values)
             c.attach_base(base)
@@ -111,9 +116,10 @@ class AgentCache:
 
     def arrays(self) -> list[mx.array]:
         """Every array the caches hold alone (to evaluate after a forward pass)."""
-        out = []
+        out: list[mx.array] = []
         for c in self.layers:
             if c.keys is not None:
+                assert c.values is not None  # set together with keys
                 out.extend((*c.keys, *c.values))
             out.extend(
                 x

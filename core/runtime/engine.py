@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import queue
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncGenerator, Callable, Generator, Sequence
 from concurrent.futures import Future
 from dataclasses import replace
 from pathlib import Path
@@ -135,7 +135,7 @@ class Engine:
         stop: str | Sequence[str] | None = None,
         seed: int | None = None,
         until: Callable[[str], int] | None = None,
-    ) -> Iterator[str | ChatResult]:
+    ) -> Generator[str | ChatResult, None, None]:
         """Yield text chunks as they are generated, then the final ``ChatResult``.
 
         The request is queued at once (so several streams opened in turn for one agent
@@ -149,7 +149,7 @@ class Engine:
         return self._drain(inbox, request)
 
     @staticmethod
-    def _drain(inbox: queue.SimpleQueue[Event], request: Request) -> Iterator[str | ChatResult]:
+    def _drain(inbox: queue.SimpleQueue[Event], request: Request) -> Generator[str | ChatResult, None, None]:
         try:
             while True:
                 item = _shown(inbox.get())
@@ -191,7 +191,7 @@ class Engine:
         stop: str | Sequence[str] | None = None,
         seed: int | None = None,
         until: Callable[[str], int] | None = None,
-    ) -> AsyncIterator[str | ChatResult]:
+    ) -> AsyncGenerator[str | ChatResult, None]:
         """``stream`` for asyncio: text chunks, then the final ``ChatResult``."""
         p = _merged(params, max_tokens, temperature, top_p, stop, seed)
         loop = asyncio.get_running_loop()
@@ -318,6 +318,13 @@ class Engine:
     def agents(self) -> list[AgentInfo]:
         """Every agent this engine knows, resident or on disk."""
         return self._scheduler.call(self._shelf.agents)
+
+    def shared_prefixes(self) -> dict[str, list[str]]:
+        """Every shared prefix on disk, with the agents whose records start on it.
+
+        A prefix is the whole blocks that ``fork`` made shared: stored once, however
+        many agents use it, and deleted with its last user."""
+        return self._scheduler.call(self._shelf.shared_prefixes)
 
     def forget(self, agent_id: str) -> ForgetResult:
         """Erase an agent from RAM and disk. Returns what was removed."""

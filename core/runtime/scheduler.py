@@ -338,7 +338,7 @@ class Scheduler:
     def _accept(self, r: Request, logits: mx.array) -> None:
         """Sample the next token, stream text, and decide whether ``r`` goes on."""
         assert r.sampler is not None
-        token = int(r.sampler(logits).item())
+        token = int(r.sampler(logits))
         if r.ttft is None:
             r.ttft = time.perf_counter() - r.t0
         stops = r.stops + self._template_stops

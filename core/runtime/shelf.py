@@ -20,6 +20,7 @@ import logging
 import time
 from concurrent.futures import Future
 from pathlib import Path
+from typing import cast
 
 import mlx.core as mx
 
@@ -44,6 +45,11 @@ log = logging.getLogger(__name__)
 # full costs one attempt (and one logged error) per agent a minute.
 RETRY_FIRST_S = 1.0
 RETRY_MAX_S = 60.0
+
+
+def _resident(aid: str) -> AgentId:
+    """A key of the pool as the AgentId it is: only this shelf puts agents there, by AgentId."""
+    return cast(AgentId, aid)
 
 
 def _done(value: object) -> Future:
@@ -212,7 +218,7 @@ class Shelf:
 
     def enforce_budget(self) -> None:
         """Spill the least recently used agents until the rest fit the byte budget."""
-        for victim in self.pool.over_budget_victims():
+        for victim in map(_resident, self.pool.over_budget_victims()):
             if victim in self._lent:
                 continue
             cache = self.pool.get(victim)
@@ -321,6 +327,10 @@ class Shelf:
                 )
             )
         return out
+
+    def shared_prefixes(self) -> dict[str, list[str]]:
+        """Each shared prefix on disk and the agents marked as its users."""
+        return {pid: self.shared.users(pid) for pid in self.shared.on_disk()}
 
     def close(self) -> None:
         """Let every save end (failed ones included), then stop the I/O thread."""

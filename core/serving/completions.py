@@ -106,8 +106,8 @@ def prepare(req: ChatCompletionRequest, header_agent: str | None, defaults: Gene
     }
     if want_json and not use_tools:
         options["until"] = json_mode.end_of_object(opening)
-    elif use_tools and opening:  # a forced call is one call: stop where its object closes
-        options["until"] = json_mode.end_of_object(opening.removeprefix(tools.OPEN))
+    elif use_tools and opening:  # a forced call is one call: stop where it ends
+        options["until"] = tools.end_of_call(opening)
     return Turn(agent_id, messages, opening, names if use_tools else [], want_json, req.parallel_tool_calls, options)
 
 

@@ -186,7 +186,7 @@ _CODES = {
 def invalid_request(errors: Sequence[Any]) -> ApiError:
     """The first of pydantic's errors (a body FastAPI or the in-process backend refused)
     as a 400 that names the offending parameter."""
-    err = errors[0] if errors else {"loc": (), "msg": "invalid request", "type": ""}
+    err: dict[str, Any] = errors[0] if errors else {"loc": (), "msg": "invalid request", "type": ""}
     kind = str(err.get("type", ""))
     if kind == "json_invalid":
         return bad_request(

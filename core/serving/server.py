@@ -166,6 +166,7 @@ def create_app(
         check_max_tokens(body, engine.loaded.context_length)
         turn = prepare(body, request.headers.get(AGENT_HEADER), defaults)
         stream = engine.astream(turn.agent_id, turn.messages, **turn.options)
+        assert isinstance(stream, AsyncGenerator)  # astream is an async generator: it can be closed
 
         async def first() -> str | ChatResult:
             return await anext(stream)

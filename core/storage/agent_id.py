@@ -46,7 +46,7 @@ class AgentId(str):
 
     def __new__(cls, value: object) -> AgentId:
         if type(value) is cls:
-            return value  # type: ignore[return-value]
+            return value
         return super().__new__(cls, _checked(value))
 
 

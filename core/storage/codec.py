@@ -30,13 +30,16 @@ import math
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import IO, Any, NamedTuple
+from typing import IO, TYPE_CHECKING, Any, NamedTuple, cast
 
 import mlx.core as mx
 import numpy as np
 
 from kvshelf.errors import RecordRejected
 from kvshelf.kv.record import CacheRecord
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
 
 __all__ = ["FORMAT_VERSION", "TOKENS_TENSOR", "Decoded", "RecordRejected", "decode", "encode", "read_token_count"]
 
@@ -112,7 +115,12 @@ def _tokens_payload(tokens: Sequence[int]) -> _Payload:
     if given.size and (given.min() < 0 or given.max() > _MAX_TOKEN_ID):
         raise ValueError("record.tokens must be token ids in [0, 2**31)")
     narrow = np.ascontiguousarray(given, dtype=np.int32)
-    return _Payload(TOKENS_TENSOR, _BY_NAME["I32"], narrow.shape, memoryview(narrow).cast("B"))
+    return _Payload(TOKENS_TENSOR, _BY_NAME["I32"], narrow.shape, narrow.data.cast("B"))
+
+
+def _buffer(array: mx.array) -> memoryview:
+    """The array's memory, borrowed: mx.array has the buffer protocol, but mlx's stubs do not declare it."""
+    return memoryview(cast("Buffer", array))
 
 
 def _tensor_payloads(tensors: Mapping[str, mx.array]) -> list[_Payload]:
@@ -136,11 +144,11 @@ def _tensor_payloads(tensors: Mapping[str, mx.array]) -> list[_Payload]:
         if array.size == 0:
             payloads.append(_Payload(name, dtype, shape, memoryview(b"")))
             continue
-        view = memoryview(array)
+        view = _buffer(array)
         if not view.c_contiguous:  # transposed or sliced: the one case that needs a copy
             array = mx.contiguous(array)
             mx.eval(array)
-            view = memoryview(array)
+            view = _buffer(array)
         payloads.append(_Payload(name, dtype, shape, view.cast("B")))
     return payloads
 

@@ -138,7 +138,7 @@ class RecordStore:
 
     # -- paths ---------------------------------------------------------------
 
-    def path_for(self, agent_id: AgentId) -> Path:
+    def path_for(self, agent_id: str) -> Path:
         """The record path of ``agent_id``; raises InvalidAgentId for a bad id.
 
         Besides the id's check (``id_path``), the resolved path must sit directly
@@ -154,7 +154,7 @@ class RecordStore:
             )
         return path
 
-    def _lock_path(self, agent_id: AgentId) -> Path:
+    def _lock_path(self, agent_id: str) -> Path:
         return id_path(self.directory, agent_id, LOCK_SUFFIX)
 
     def _ensure_directory(self) -> None:
@@ -166,7 +166,7 @@ class RecordStore:
 
     # -- locking -------------------------------------------------------------
 
-    def lock(self, agent_id: AgentId) -> filelock.BaseFileLock:
+    def lock(self, agent_id: str) -> filelock.BaseFileLock:
         """The inter-process lock of one agent, usable as ``with store.lock(id):``.
 
         It is reentrant in a thread (the store's own methods may be called while
@@ -178,7 +178,7 @@ class RecordStore:
         return filelock.FileLock(path, is_singleton=True)
 
     @contextmanager
-    def _held(self, agent_id: AgentId) -> Iterator[filelock.BaseFileLock]:
+    def _held(self, agent_id: str) -> Iterator[filelock.BaseFileLock]:
         lock = self.lock(agent_id)
         try:
             lock.acquire(timeout=self.lock_timeout)
@@ -197,7 +197,7 @@ class RecordStore:
 
     # -- public operations ---------------------------------------------------
 
-    def save(self, agent_id: AgentId, record: CacheRecord) -> int:
+    def save(self, agent_id: str, record: CacheRecord) -> int:
         """Atomically replace the agent's record; returns the bytes written.
 
         Raises ValueError/TypeError for a malformed record (nothing is written)
@@ -211,7 +211,7 @@ class RecordStore:
             self._remove_stale_temps(agent_id)
             return self._write_atomically(agent_id, path, chunks)
 
-    def load(self, agent_id: AgentId) -> CacheRecord | None:
+    def load(self, agent_id: str) -> CacheRecord | None:
         """The agent's record, or None when there is none or it was unusable.
 
         An unusable record (truncated, corrupted, foreign model, unknown format,
@@ -249,7 +249,7 @@ class RecordStore:
             return None
         return decoded.to_record()
 
-    def delete(self, agent_id: AgentId) -> list[Path]:
+    def delete(self, agent_id: str) -> list[Path]:
         """Erase the agent: its record, lock file, temp files and quarantined records.
 
         This is the erasure of a person's data, so nothing of the agent stays:
@@ -280,21 +280,21 @@ class RecordStore:
             self._fsync_directory()
         return removed
 
-    def size_on_disk(self, agent_id: AgentId) -> int:
+    def size_on_disk(self, agent_id: str) -> int:
         """Bytes of the agent's record on disk, 0 when there is none."""
         try:
             return self.path_for(agent_id).stat().st_size
         except FileNotFoundError:
             return 0
 
-    def mtime(self, agent_id: AgentId) -> float | None:
+    def mtime(self, agent_id: str) -> float | None:
         """When the agent's record was last saved (``time.time()`` scale), None if absent."""
         try:
             return self.path_for(agent_id).stat().st_mtime
         except FileNotFoundError:
             return None
 
-    def token_count(self, agent_id: AgentId) -> int:
+    def token_count(self, agent_id: str) -> int:
         """Tokens in the agent's record, read from its header alone; 0 if none.
 
         A cheap peek for listings: it trusts a header that passes its own
@@ -308,7 +308,7 @@ class RecordStore:
         except (OSError, RecordRejected):
             return 0
 
-    def quarantine(self, agent_id: AgentId, reason: str) -> Path | None:
+    def quarantine(self, agent_id: str, reason: str) -> Path | None:
         """Move the agent's record aside because the caller found it unusable.
 
         For records that pass every check here but do not fit the model's cache

@@ -194,6 +194,7 @@ def kill_somewhere(child: Child, store_dir: Path, mode: str, rng: random.Random)
 def crash_once(model_dir: Path, cache_dir: Path, ledger: Ledger, seed: int, mode: str, budget: str = "1MB") -> Outcome:
     """One child, one kill, one full check; updates ``ledger`` with what was acknowledged."""
     from kvshelf.runtime.engine import Engine
+    from kvshelf.storage.agent_id import AgentId
 
     rng = random.Random(seed)
     probe = Engine(model=str(model_dir), cache_dir=cache_dir, progress=False)
@@ -236,7 +237,7 @@ def crash_once(model_dir: Path, cache_dir: Path, ledger: Ledger, seed: int, mode
             forked_to = in_flight is not None and in_flight[0] == "fork" and in_flight[2] == aid
             expected = ledger.tokens[aid]
             if engine._shelf.store.path_for(aid).exists():
-                cache = engine._shelf.load(aid)  # checksums, header, fit: None (and quarantined) if bad
+                cache = engine._shelf.load(AgentId(aid))  # checksums, header, fit: None (and quarantined) if bad
                 if cache is None:
                     failures.append(f"{aid}: record is unusable")
                     continue
@@ -285,7 +286,7 @@ def warm_restore_check(model_dir: Path, cache_dir: Path, ledger: Ledger) -> dict
 
     engine = Engine(model=str(model_dir), cache_dir=cache_dir, progress=False)
     try:
-        seen = {}
+        seen: dict[str, str] = {}
         for aid in AGENTS:
             if ledger.tokens[aid] is not None and ledger.messages[aid]:
                 messages = ledger.messages[aid] + [{"role": "user", "content": "and after the crash?"}]
