@@ -142,6 +142,7 @@ def step_ms(
     ws = WorkingSets()
     for i in range(warmup + steps):
         t = time.perf_counter()
+        caches: list[Any]
         if working:
             caches = ws.caches(list(range(batch)), agents)
         else:
