@@ -35,3 +35,9 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if "embedded_loaded" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.embedded)
+        # A module may name single parametrized cases it expects to fail (``XFAIL_CASES``:
+        # item name -> reason), for suites such as langchain-tests whose tests must not be
+        # overridden; the mark is strict, so a case that starts passing fails the run.
+        reason = getattr(getattr(item, "module", None), "XFAIL_CASES", {}).get(item.name)
+        if reason:
+            item.add_marker(pytest.mark.xfail(reason=reason, strict=True))
