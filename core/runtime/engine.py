@@ -80,7 +80,7 @@ class Engine:
         survives a crash. The default writes saves behind, after the result is returned:
         faster to answer, but a crash in between loses that turn's cache."""
         self.loaded = load(model, progress=progress)
-        self.model = self.loaded.model
+        self.model = self.loaded.forward
         self.tokenizer = self.loaded.tokenizer
         self.spec = self.loaded.spec
         self.cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
