@@ -9,23 +9,31 @@ OpenBLAS packs the whole matrix for a product whose other side is one vector
 
 ``ProjectedModel`` composes an mlx-lm model without changing it: it runs the model's
 body (``model.model``), then the projection itself. At batch 1 the last position (the
-only one a decoder samples from) goes to numpy's BLAS as ``sgemv`` over a zero-copy
-view of MLX's weight buffer; all other rows, and every row of a batch of several
-agents, go through MLX's own matmul, bit-identical to the model's own call.
+only one a decoder samples from) goes to ``cblas_sgemv`` over a zero-copy numpy view
+of MLX's weight buffer; all other rows, and every row of a batch of several agents, go
+through MLX's own matmul, bit-identical to the model's own call.
+
+The sgemv is the one of the OpenBLAS that MLX's own matmuls use (``kvshelf.model.blas``
+preloads it), called through ctypes, not numpy's ``W @ h``: numpy bundles a second
+OpenBLAS with its own thread pool, and the two pools' spinning threads fight over the
+cores between the body's sgemms and the projection (measured: a whole decode step got
+slower than MLX's own, though numpy's gemv alone was 2x faster). With one pool the step
+gains what the projection gains. Without that OpenBLAS (macOS, ``KVSHELF_NO_OPENBLAS``)
+the model keeps its own call.
 
 Exactness, and where it ends: ``sgemv`` sums each dot product in another order than
 ``sgemm``, so the last position of a batch-1 call differs from MLX's own logits in the
-last bits (≤ 3.1e-6 on the embedded model; always within ``dot_error_bound``). Every
-batch-1 call projects its last position the same way, so prefill's last token (a short
-prompt in one call or a long one ending with a 1-token call) and decode at batch 1 are
-bit-identical to one another, and a restored agent continues exactly as one in RAM. A
-decode step with several agents uses MLX's rows, which were never bit-identical to the
-same agent's row alone: OpenBLAS picks its sgemm kernel by shape, and a row of a 3-row
-product differs from that row in an 8- or 1-row one (up to 1e-6 on the tiny test
-models). So, as before, batched decode equals one-by-one decode token for token, not
-logit for logit: all rows of one agent lie within ``dot_error_bound`` of each other,
-and the greedy token is the same whenever the top logit wins by more than the bound
-(a few 1e-6 on the embedded model), which ``greedy_is_certain`` checks.
+last bits (up to 6e-5 on real hidden rows of the embedded model, whose logits reach
+tens; always within ``dot_error_bound``). Every batch-1 call projects its last position
+the same way, so prefill's last token (a short prompt in one call or a long one ending
+with a 1-token call) and decode at batch 1 are bit-identical to one another, and a
+restored agent continues exactly as one in RAM. A decode step with several agents uses
+MLX's rows, which were never bit-identical to the same agent's row alone: OpenBLAS
+picks its sgemm kernel by shape, and a row of a 3-row product differs from that row in
+an 8- or 1-row one (up to 1e-6 on the tiny test models). So, as before, batched decode
+equals one-by-one decode token for token, not logit for logit: all rows of one agent
+lie within ``dot_error_bound`` of each other, and the greedy token is provably the same
+whenever the top logit wins by more than the bounds, which ``greedy_is_certain`` checks.
 
 The gemv path is taken only where it is known to be the same function: unquantized
 fp32 weights on the CPU device, an architecture whose ``__call__`` is exactly body then
@@ -36,12 +44,16 @@ heads, logit soft-capping, GPU) runs the model's own ``__call__``.
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Callable
+from functools import cache
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
+
+from kvshelf.model import blas
 
 UNIT_ROUNDOFF = 2.0**-24  # fp32
 
@@ -77,6 +89,53 @@ def greedy_is_certain(logits: np.ndarray, bound: np.ndarray) -> bool:
     return bool(np.all(margin > 0))
 
 
+CBLAS_ROW_MAJOR, CBLAS_NO_TRANS = 101, 111
+
+
+@cache
+def _cblas_sgemv(path: str) -> Any:
+    fn = ctypes.CDLL(path).cblas_sgemv
+    fn.restype = None
+    i, f, p = ctypes.c_int, ctypes.c_float, ctypes.c_void_p
+    fn.argtypes = [i, i, i, i, f, p, i, p, i, f, p, i]
+    return fn
+
+
+def system_sgemv() -> Callable[[np.ndarray, np.ndarray], np.ndarray] | None:
+    """``y = weight @ x`` through the OpenBLAS MLX's matmuls use, or None if it is not loaded.
+
+    ctypes releases the GIL for the call, as MLX does for its own work.
+    """
+    if blas.loaded_path is None:
+        return None
+    fn = _cblas_sgemv(blas.loaded_path)
+
+    def sgemv(weight: np.ndarray, x: np.ndarray) -> np.ndarray:
+        weight = np.ascontiguousarray(weight, dtype=np.float32)  # a view already, never copied in practice
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        rows, cols = weight.shape
+        if x.shape != (cols,):
+            raise ValueError(f"sgemv: {weight.shape} @ {x.shape}")
+        y = np.empty(rows, dtype=np.float32)
+        fn(
+            CBLAS_ROW_MAJOR,
+            CBLAS_NO_TRANS,
+            rows,
+            cols,
+            1.0,
+            weight.ctypes.data,
+            cols,
+            x.ctypes.data,
+            1,
+            0.0,
+            y.ctypes.data,
+            1,
+        )
+        return y
+
+    return sgemv
+
+
 def _projection(model: nn.Module) -> tuple[Callable[[mx.array], mx.array], nn.Module] | None:
     """The model's own output projection and the layer holding its weight, if it has one of
     the two shapes mlx-lm uses (an ``lm_head`` or tied ``embed_tokens.as_linear``)."""
@@ -108,10 +167,17 @@ class ProjectedModel:
     Called like the model (``inputs``, ``cache``); every other attribute is the model's.
     """
 
-    def __init__(self, model: nn.Module, project: Callable[[mx.array], mx.array], head: nn.Module) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        project: Callable[[mx.array], mx.array],
+        head: nn.Module,
+        sgemv: Callable[[np.ndarray, np.ndarray], np.ndarray],
+    ) -> None:
         self.inner = model
         self._project = project
         self._head = head
+        self._sgemv = sgemv
 
     def __getattr__(self, name: str) -> Any:
         if name == "inner":  # not set yet (copy, unpickling): no recursion
@@ -129,8 +195,7 @@ class ProjectedModel:
 
     def gemv(self, h: mx.array) -> mx.array:
         """Logits for one hidden row ``h`` (shape ``(hidden,)``) through the BLAS's sgemv."""
-        row = np.asarray(memoryview(h.astype(mx.float32)))
-        return mx.array(self.weight_view() @ row)
+        return mx.array(self._sgemv(self.weight_view(), np.asarray(memoryview(h.astype(mx.float32)))))
 
     def project(self, hidden: mx.array) -> mx.array:
         """Logits for ``hidden`` of shape (batch, length, dim): MLX's matmul for every row,
@@ -156,9 +221,12 @@ def with_fast_head(model: nn.Module, probe_len: int = 4) -> nn.Module | Projecte
     the dot-product error bound of the model's own.
     """
     found = _projection(model)
-    if found is None or _gemv_weight(found[1]) is None:
+    sgemv = system_sgemv()
+    if found is None or sgemv is None or _gemv_weight(found[1]) is None:
         return model
-    wrapped = ProjectedModel(model, *found)
+    wrapped = ProjectedModel(model, *found, sgemv)
+    if not wrapped.weight_view().flags.c_contiguous:  # sgemv would need a copy per call
+        return model
     vocab = found[1]["weight"].shape[0]
     probe = mx.array([[(7 * i + 1) % vocab for i in range(probe_len)]])
     try:
