@@ -1,12 +1,13 @@
-"""MLX CPU: a 1-row matmul ``x @ W.T`` runs as sgemm, ~2.3x slower than sgemv on the same memory.
+"""MLX CPU: a 1-row matmul ``x @ W.T`` runs as sgemm, 1.7-2.4x slower than sgemv on the same memory.
 
 A minimal reproduction for an upstream report (plain MLX, numpy only for the comparison).
 MLX's CPU backend sends every float32 matmul to ``cblas_sgemm`` (mlx/backend/cpu/gemms/
-cblas.cpp), also when one side is a single row; OpenBLAS then packs the whole matrix for
+cblas.cpp), also when one side is a single row; OpenBLAS then (presumably) packs the matrix for
 a product that ``cblas_sgemv`` does in one streaming pass. For an LLM's output projection
 (here Gemma 3 270M's shape, 262144x640 fp32 = 671 MB) that is the batch-1 decode step's
-single largest matmul. Measured on a 2-core AMD EPYC (Zen 4) VM, load average ~2-5:
-MLX 1-row 70 ms, MLX 8-row 75 ms, numpy sgemv on a zero-copy view of the same buffer 30 ms.
+single largest matmul. Measured on a 2-core AMD EPYC (Zen 4) VM with Debian's OpenBLAS
+0.3.21, load average 1.6: MLX 1-row 59 ms, MLX 8-row 70 ms, that OpenBLAS's own sgemv on
+the same buffer (a zero-copy numpy view) 34 ms, numpy's bundled OpenBLAS 0.3.31 38 ms.
 
     python benchmarks/mlx_gemv_repro.py [--vocab 262144] [--hidden 640] [--blas PATH|none]
 
@@ -25,8 +26,9 @@ p.add_argument("--vocab", type=int, default=262144)
 p.add_argument("--hidden", type=int, default=640)
 p.add_argument("--blas", default="/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3")
 args = p.parse_args()
+preloaded = None
 if args.blas != "none" and os.path.exists(args.blas):
-    ctypes.CDLL(args.blas, mode=ctypes.RTLD_GLOBAL)  # must precede the first mlx import
+    preloaded = ctypes.CDLL(args.blas, mode=ctypes.RTLD_GLOBAL)  # must precede the first mlx import
 
 import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
@@ -51,18 +53,31 @@ mlx_1 = median_ms(lambda: mx.eval(x1 @ W.T))
 mlx_8 = median_ms(lambda: mx.eval(x8 @ W.T))
 np_gemv = median_ms(lambda: Wn @ xn)
 diff = np.abs(np.asarray(x1 @ W.T)[0] - Wn @ xn).max()
+sys_gemv = None
+if preloaded:  # the sgemv of the very OpenBLAS whose sgemm MLX calls
+    fn = preloaded.cblas_sgemv
+    i, f, p_ = ctypes.c_int, ctypes.c_float, ctypes.c_void_p
+    fn.argtypes, fn.restype = [i, i, i, i, f, p_, i, p_, i, f, p_, i], None  # cblas_sgemv(order, trans, M, N, ...)
+    y = np.empty(args.vocab, np.float32)
+    rows, cols = Wn.shape
+    sys_gemv = median_ms(
+        lambda: fn(101, 111, rows, cols, 1.0, Wn.ctypes.data, cols, xn.ctypes.data, 1, 0.0, y.ctypes.data, 1)
+    )
 
-blas_libs = sorted({line.split()[-1] for line in open("/proc/self/maps") if "blas" in line.lower()})
-print(f"mlx {mx.__version__}, numpy {np.__version__}, {platform.machine()} {platform.processor() or ''}")
-for lib in blas_libs:
+print(f"mlx {mx.__version__}, numpy {np.__version__}, {platform.machine()}, {os.cpu_count()} CPUs")
+for line in sorted({line.split()[-1] for line in open("/proc/self/maps") if "blas" in line.lower()}):
     try:
-        get_config = ctypes.CDLL(lib).openblas_get_config
+        get_config = ctypes.CDLL(line).openblas_get_config
         get_config.restype = ctypes.c_char_p
-        print(f"  loaded {lib}: {get_config().decode()}")
+        print(f"  loaded {line}: {get_config().decode()}")
     except (OSError, AttributeError):
-        print(f"  loaded {lib}")
+        print(f"  loaded {line}")
+numpy_blas = np.show_config(mode="dicts")["Build Dependencies"]["blas"]
+print(f"  numpy's BLAS: {numpy_blas.get('name')} {numpy_blas.get('version')}")
 print(f"W {args.vocab}x{args.hidden} float32 = {Wn.nbytes / 1e6:.0f} MB, load average {os.getloadavg()[0]:.2f}")
-print(f"mlx  x @ W.T, x 1 row    {mlx_1:7.1f} ms  ({Wn.nbytes / mlx_1 / 1e6:5.1f} GB/s)")
-print(f"mlx  x @ W.T, x 8 rows   {mlx_8:7.1f} ms")
-print(f"numpy W @ x  (sgemv)     {np_gemv:7.1f} ms  ({Wn.nbytes / np_gemv / 1e6:5.1f} GB/s)")
-print(f"1-row matmul / sgemv     {mlx_1 / np_gemv:7.2f}x   (max |difference| {diff:.1e})")
+print(f"mlx   x @ W.T, x 1 row (sgemm)   {mlx_1:7.1f} ms  ({Wn.nbytes / mlx_1 / 1e6:5.1f} GB/s)")
+print(f"mlx   x @ W.T, x 8 rows (sgemm)  {mlx_8:7.1f} ms")
+if sys_gemv is not None:
+    print(f"cblas_sgemv, same OpenBLAS       {sys_gemv:7.1f} ms  ({Wn.nbytes / sys_gemv / 1e6:5.1f} GB/s)")
+print(f"numpy W @ x (its own sgemv)      {np_gemv:7.1f} ms  ({Wn.nbytes / np_gemv / 1e6:5.1f} GB/s)")
+print(f"1-row matmul / sgemv             {mlx_1 / (sys_gemv or np_gemv):7.2f}x  (max |difference| {diff:.1e})")
