@@ -60,7 +60,7 @@ UNIT_ROUNDOFF = 2.0**-24  # fp32
 
 def _error_factor(k: int) -> float:
     """Higham's gamma_k: any fp32 summation order of a k-term dot product is this close."""
-    # (k + 1) rather than k covers the conversion of h and a final rounding with room to spare.
+    # (k + 1) rather than k: one rounding more than a k-term sum can make, as a margin.
     ku = (k + 1) * UNIT_ROUNDOFF
     return ku / (1.0 - ku)
 
@@ -90,6 +90,12 @@ def greedy_is_certain(logits: np.ndarray, bound: np.ndarray) -> bool:
 
 
 CBLAS_ROW_MAJOR, CBLAS_NO_TRANS = 101, 111
+
+
+def buffer_view(a: mx.array) -> np.ndarray:
+    """A numpy array over ``a``'s own memory: MLX exports the buffer protocol, so no copy
+    (``a`` is evaluated first if it is still lazy)."""
+    return np.asarray(memoryview(a))  # type: ignore[arg-type]  # mlx's stubs do not declare __buffer__
 
 
 @cache
@@ -189,13 +195,13 @@ class ProjectedModel:
 
         Looked up on every call, so weights replaced after loading are the ones used.
         """
-        view = np.asarray(memoryview(self._head["weight"]))
+        view = buffer_view(self._head["weight"])
         view.flags.writeable = False
         return view
 
     def gemv(self, h: mx.array) -> mx.array:
         """Logits for one hidden row ``h`` (shape ``(hidden,)``) through the BLAS's sgemv."""
-        return mx.array(self._sgemv(self.weight_view(), np.asarray(memoryview(h.astype(mx.float32)))))
+        return mx.array(self._sgemv(self.weight_view(), buffer_view(h.astype(mx.float32))))
 
     def project(self, hidden: mx.array) -> mx.array:
         """Logits for ``hidden`` of shape (batch, length, dim): MLX's matmul for every row,
