@@ -52,7 +52,9 @@ from pydantic import BaseModel, SecretStr
 from kvshelf.adapters.backend import Backend, connect, merge_chunks
 from kvshelf.adapters.identity import agent_key, fallback_key
 from kvshelf.runtime.engine import Engine
+from kvshelf.runtime.params import GenerationParams
 from kvshelf.serving.tools import tools_text, with_system_text
+from kvshelf.storage.agent_id import AgentId
 
 __all__ = [
     "KVShelfChatCompletionClient",
@@ -63,6 +65,7 @@ __all__ = [
 ]
 
 event_logger = logging.getLogger(EVENT_LOGGER_NAME)
+_DEFAULTS = GenerationParams()  # the engine's and the server's defaults, so local and remote agree
 
 # Options a caller may pass per call in ``extra_create_args`` (OpenAI request fields).
 EXTRA_CREATE_ARGS = frozenset(
@@ -92,7 +95,7 @@ class KVShelfClientConfig(BaseModel):
     budget: int | str | None = None
     agent_id: str | None = None
     agent_prefix: str = ""
-    temperature: float = 0.0
+    temperature: float = _DEFAULTS.temperature
     top_p: float | None = None
     max_tokens: int | None = None
     seed: int | None = None
@@ -189,7 +192,7 @@ class _Shared:
         self.lock = threading.Lock()
         self.conversations: dict[str, dict[str, Any]] = {}
         self.tools: dict[str, list[dict[str, Any]]] = {}  # the tools each agent was last offered
-        self.heard: dict[str, _Heard] = {}  # group-chat agents' last turns, for prefill ahead
+        self.heard: dict[AgentId, _Heard] = {}  # group-chat agents' last turns, for prefill ahead
         self.closed = False
 
     def get(self) -> Backend:
@@ -328,9 +331,10 @@ class KVShelfChatCompletionClient(ChatCompletionClient, Component[KVShelfClientC
         agent_id: bind this client to one agent (as ``for_agent`` does).
         agent_prefix: prepended to every agent id this client derives or is given, to
             keep two applications that reuse agent names apart.
-        temperature: 0 (greedy) unless given, so that runs are reproducible and a
-            replayed conversation matches the cached tokens. ``top_p``, ``max_tokens``
-            (the backend's default when None), ``seed`` and ``stop`` are sent as given.
+        temperature: 0 (greedy, ``GenerationParams``' default) unless given, so that
+            runs are reproducible and a replayed conversation matches the cached tokens.
+            ``top_p``, ``max_tokens`` (``GenerationParams``' 2048 when None, local or
+            remote), ``seed`` and ``stop`` are sent as given.
         family: ``model_info["family"]``.
         engine: an ``Engine`` the caller owns, used instead of the shared one (not
             part of the component config).
@@ -384,7 +388,7 @@ class KVShelfChatCompletionClient(ChatCompletionClient, Component[KVShelfClientC
         budget: int | str | None = None,
         agent_id: str | None = None,
         agent_prefix: str = "",
-        temperature: float = 0.0,
+        temperature: float = _DEFAULTS.temperature,
         top_p: float | None = None,
         max_tokens: int | None = None,
         seed: int | None = None,
@@ -430,7 +434,7 @@ class KVShelfChatCompletionClient(ChatCompletionClient, Component[KVShelfClientC
         return view
 
     @property
-    def agent_id(self) -> str | None:
+    def agent_id(self) -> AgentId | None:
         """The bound agent id (None: resolved per call)."""
         return self._agent_id
 
@@ -447,7 +451,7 @@ class KVShelfChatCompletionClient(ChatCompletionClient, Component[KVShelfClientC
         return runtime_id.type[: match.start()] if match else runtime_id.type
 
     async def _prefill_listeners(
-        self, agent_id: str, messages: Sequence[LLMMessage], body: dict[str, Any], result: CreateResult
+        self, agent_id: AgentId, messages: Sequence[LLMMessage], body: dict[str, Any], result: CreateResult
     ) -> None:
         """Group chat: after ``agent_id`` spoke, extend each other agent's cache in the
         background with what it has not heard yet (``Engine.prefill_ahead``), so at its
@@ -470,7 +474,7 @@ class KVShelfChatCompletionClient(ChatCompletionClient, Component[KVShelfClientC
             except Exception as exc:  # an optimisation: never fail the speaker's turn over it
                 logging.getLogger(__name__).warning("prefill ahead for %s failed: %s", other, exc)
 
-    def resolve_agent_id(self, messages: Sequence[Mapping[str, Any]]) -> str:
+    def resolve_agent_id(self, messages: Sequence[Mapping[str, Any]]) -> AgentId:
         """The agent whose cache a call with these (OpenAI) messages uses, right now."""
         if self._agent_id is not None:
             return self._agent_id
@@ -526,7 +530,7 @@ class KVShelfChatCompletionClient(ChatCompletionClient, Component[KVShelfClientC
         tool_choice: Any,
         json_output: bool | type[BaseModel] | None,
         extra_create_args: Mapping[str, Any],
-    ) -> tuple[str, dict]:
+    ) -> tuple[AgentId, dict]:
         """The agent and the request body of a call. Once an agent has been offered tools,
         a later call without them (or with ``tool_choice="none"``, as AssistantAgent's
         reflection after a tool call does) still shows the model the same tool text,
@@ -732,7 +736,7 @@ class KVShelfChatCompletionClient(ChatCompletionClient, Component[KVShelfClientC
         )
 
     @property
-    def capabilities(self) -> ModelCapabilities:  # type: ignore[override]  (deprecated in AutoGen)
+    def capabilities(self) -> ModelCapabilities:  # deprecated in AutoGen; model_info is current
         return cast(ModelCapabilities, {"vision": False, "function_calling": True, "json_output": True})
 
     async def close(self) -> None:

@@ -13,29 +13,73 @@ tool calls parsed out, JSON mode, stop strings), so an adapter behaves the same 
 mode, and both return the same bodies: an OpenAI ``chat.completion`` dict, or a stream
 of ``chat.completion.chunk`` dicts, each with kvshelf's ``kvshelf`` extension (agent,
 cache hot|warm|cold, TTFT) on the last one. Errors come out as ``BackendError`` with
-the HTTP status and OpenAI error code either way.
+the HTTP status and OpenAI error code either way (``kvshelf.errors`` holds the catalog,
+``kvshelf.serving.errors_http`` the one mapping both use). Fields a request leaves out
+(``max_tokens``, ``temperature``, ``top_p``) take ``GenerationParams``' defaults on both
+paths: the in-process one fills them from the same class the server does.
+
+Adapters are written against the ``Backend`` protocol, not the two classes, and pass
+agent ids as ``AgentId``: validated once, where the framework's name became an id.
 """
 
 from __future__ import annotations
 
 import json
 import threading
-from collections.abc import AsyncIterator, Iterator, Mapping
+from collections.abc import AsyncGenerator, Generator, Mapping
+from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
-from kvshelf.errors import KVShelfError
+from kvshelf.errors import BackendError
 from kvshelf.runtime.engine import Engine
+from kvshelf.runtime.results import ChatResult
+from kvshelf.storage.agent_id import AgentId
 
-DEFAULT_MAX_TOKENS = 512
+__all__ = ["Backend", "BackendError", "LocalBackend", "RemoteBackend", "connect", "merge_chunks", "shared_engine"]
 
 
-class BackendError(KVShelfError):
-    """A request the engine or server refused or failed; ``status`` and ``code`` as in HTTP."""
+class Backend(Protocol):
+    """What an adapter needs from kvshelf: OpenAI-shaped chat requests for one agent.
 
-    def __init__(self, message: str, status: int, code: str | None = None) -> None:
-        super().__init__(message)
-        self.status, self.code = status, code
+    ``agent_id`` None is an ephemeral request (nothing saved). Every method raises
+    ``BackendError`` (status and OpenAI code as over HTTP) when the request is refused.
+    """
+
+    model_name: str
+    context_length: int
+
+    def complete(self, agent_id: AgentId | None, body: Mapping[str, Any]) -> dict:
+        """A whole ``chat.completion`` body."""
+        ...
+
+    def stream(self, agent_id: AgentId | None, body: Mapping[str, Any]) -> Generator[dict, None, None]:
+        """``chat.completion.chunk`` bodies; closing the iterator early cancels the request."""
+        ...
+
+    async def acomplete(self, agent_id: AgentId | None, body: Mapping[str, Any]) -> dict:
+        """:meth:`complete` for asyncio; cancelling the awaiting task cancels the request."""
+        ...
+
+    def astream(self, agent_id: AgentId | None, body: Mapping[str, Any]) -> AsyncGenerator[dict, None]:
+        """:meth:`stream` for asyncio; ``aclose()`` early cancels the request."""
+        ...
+
+    def append(self, agent_id: AgentId, body: Mapping[str, Any], background: bool = False) -> dict:
+        """Prefill the agent's conversation so far without generating (a new phase)."""
+        ...
+
+    def fork(self, source: AgentId, new_agent: AgentId) -> dict:
+        """Start ``new_agent`` from ``source``'s cache."""
+        ...
+
+    def count_tokens(self, body: Mapping[str, Any]) -> int:
+        """Prompt tokens of a request as the model sees it (tools and JSON mode rendered)."""
+        ...
+
+    def close(self) -> None:
+        """Release what this backend holds (a connection; never the shared engine)."""
+        ...
 
 
 # -- one engine per process ------------------------------------------------------------------
@@ -52,7 +96,7 @@ def shared_engine(
     key = (str(model), str(Path(cache_dir).resolve()) if cache_dir is not None else "")
     with _engines_lock:
         engine = _engines.get(key)
-        if engine is None or engine._closed:
+        if engine is None or engine.closed:
             engine = _engines[key] = Engine(model, cache_dir, budget, progress=False)
         return engine
 
@@ -62,30 +106,41 @@ class LocalBackend:
 
     def __init__(self, engine: Engine) -> None:
         from kvshelf.serving import completions  # pydantic: only needed once an adapter is used
-        from kvshelf.serving.openai_api import ApiError, ChatCompletionRequest
+        from kvshelf.serving.openai_api import ChatCompletionRequest
 
         self.engine = engine
         self.model_name = completions.model_id(engine)
         self.context_length = engine.loaded.context_length
-        self._c, self._ApiError, self._Request = completions, ApiError, ChatCompletionRequest
+        self._c, self._Request = completions, ChatCompletionRequest
 
-    def _turn(self, agent_id: str | None, body: Mapping[str, Any]) -> Any:
+    def _turn(self, agent_id: AgentId | None, body: Mapping[str, Any]) -> Any:
+        """Validate ``body`` as the server does and prepare it with the same defaults
+        (``GenerationParams()``), so a local request is the one a server would run."""
+        from pydantic import ValidationError
+
+        from kvshelf.serving.openai_api import invalid_request
+
         try:
             req = self._Request.model_validate(dict(body))
-        except Exception as exc:  # pydantic.ValidationError
-            from kvshelf.serving.openai_api import validation_error_body
-
-            err = validation_error_body(exc.errors()) if hasattr(exc, "errors") else {"error": {"message": str(exc)}}
-            raise BackendError(err["error"]["message"], 400, err["error"].get("code")) from None
+        except ValidationError as exc:
+            raise self._error(invalid_request(exc.errors())) from None
         try:
-            return req, self._c.prepare(req, agent_id, DEFAULT_MAX_TOKENS)
-        except self._ApiError as exc:
-            raise _from_api_error(exc) from None
+            return req, self._c.prepare(req, agent_id)
+        except Exception as exc:
+            raise self._error(exc) from None
 
-    def _error(self, exc: BaseException) -> BackendError:
-        return _from_api_error(self._c.engine_error(exc))
+    @staticmethod
+    def _error(exc: BaseException) -> BackendError:
+        """``exc`` as the server would answer it (``errors_http.error_response``)."""
+        if isinstance(exc, BackendError):
+            return exc
+        from kvshelf.serving.errors_http import error_response
 
-    def complete(self, agent_id: str | None, body: Mapping[str, Any]) -> dict:
+        status, body = error_response(exc)
+        err = body["error"]
+        return BackendError(err["message"], status, err["code"], param=err["param"], error_type=err["type"])
+
+    def complete(self, agent_id: AgentId | None, body: Mapping[str, Any]) -> dict:
         _, turn = self._turn(agent_id, body)
         try:
             items = list(self.engine.stream(turn.agent_id, turn.messages, **turn.options))
@@ -93,7 +148,7 @@ class LocalBackend:
             raise self._error(exc) from exc
         return self._c.completion(items, turn, self.model_name)
 
-    def stream(self, agent_id: str | None, body: Mapping[str, Any]) -> Iterator[dict]:
+    def stream(self, agent_id: AgentId | None, body: Mapping[str, Any]) -> Generator[dict, None, None]:
         """Chunk dicts; closing the iterator early cancels the request (the cache is kept)."""
         req, turn = self._turn(agent_id, body)
         builder = self._c.ChunkBuilder(turn, self.model_name, _include_usage(body))
@@ -103,7 +158,7 @@ class LocalBackend:
             raise self._error(exc) from exc
         return self._chunks(builder, items)
 
-    def _chunks(self, builder: Any, items: Iterator) -> Iterator[dict]:
+    def _chunks(self, builder: Any, items: Generator[str | ChatResult, None, None]) -> Generator[dict, None, None]:
         try:
             yield from builder.start()
             for item in items:
@@ -113,9 +168,9 @@ class LocalBackend:
         except Exception as exc:
             raise self._error(exc) from exc
         finally:
-            items.close()  # type: ignore[attr-defined]
+            items.close()
 
-    async def acomplete(self, agent_id: str | None, body: Mapping[str, Any]) -> dict:
+    async def acomplete(self, agent_id: AgentId | None, body: Mapping[str, Any]) -> dict:
         """Cancelling the awaiting task cancels the engine request."""
         _, turn = self._turn(agent_id, body)
         stream = self.engine.astream(turn.agent_id, turn.messages, **turn.options)
@@ -127,7 +182,7 @@ class LocalBackend:
             await stream.aclose()
         return self._c.completion(items, turn, self.model_name)
 
-    async def astream(self, agent_id: str | None, body: Mapping[str, Any]) -> AsyncIterator[dict]:
+    async def astream(self, agent_id: AgentId | None, body: Mapping[str, Any]) -> AsyncGenerator[dict, None]:
         _, turn = self._turn(agent_id, body)
         builder = self._c.ChunkBuilder(turn, self.model_name, _include_usage(body))
         stream = self.engine.astream(turn.agent_id, turn.messages, **turn.options)
@@ -144,7 +199,7 @@ class LocalBackend:
         finally:
             await stream.aclose()
 
-    def append(self, agent_id: str, body: Mapping[str, Any], background: bool = False) -> dict:
+    def append(self, agent_id: AgentId, body: Mapping[str, Any], background: bool = False) -> dict:
         """Prefill the agent's conversation so far without generating (``Engine.append``);
         ``background`` queues it as prefill ahead and returns at once."""
         _, turn = self._turn(agent_id, body)
@@ -162,17 +217,17 @@ class LocalBackend:
             "cached_tokens": usage.cached_tokens,
         }
 
-    def fork(self, source: str, new_agent: str) -> dict:
+    def fork(self, source: AgentId, new_agent: AgentId) -> dict:
         """Start ``new_agent`` from ``source``'s cache, sharing its whole blocks."""
         try:
-            return self.engine.fork(source, new_agent)
+            return asdict(self.engine.fork(source, new_agent))
         except Exception as exc:
             raise self._error(exc) from exc
 
     def count_tokens(self, body: Mapping[str, Any]) -> int:
         """Prompt tokens of a request as the model will see it (tools and JSON mode rendered)."""
         _, turn = self._turn(None, body)
-        return len(self.engine.tokenizer.encode_prompt(self.engine.loaded.template.render(turn.messages)))
+        return len(self.engine.loaded.tokenizer.encode_prompt(self.engine.loaded.template.render(turn.messages)))
 
     def close(self) -> None:
         """The shared engine outlives any one adapter; it is closed at interpreter exit."""
@@ -187,13 +242,13 @@ class RemoteBackend:
         self.base_url = base_url.rstrip("/").removesuffix("/v1")
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._client = httpx.Client(base_url=self.base_url, headers=headers, timeout=timeout)
-        self._aclient_args = {"base_url": self.base_url, "headers": headers, "timeout": timeout}
+        self._aclient_args: dict[str, Any] = {"base_url": self.base_url, "headers": headers, "timeout": timeout}
         info = self._get("/v1/models")["data"][0]
         self.model_name = info["id"]
         self.context_length = int(info.get("context_length") or 8192)
 
     @staticmethod
-    def _headers(agent_id: str | None) -> dict[str, str]:
+    def _headers(agent_id: AgentId | None) -> dict[str, str]:
         return {"X-Agent-Id": agent_id} if agent_id is not None else {}
 
     def _get(self, path: str) -> dict:
@@ -201,14 +256,14 @@ class RemoteBackend:
         _raise_for(response.status_code, response.content)
         return response.json()
 
-    def complete(self, agent_id: str | None, body: Mapping[str, Any]) -> dict:
+    def complete(self, agent_id: AgentId | None, body: Mapping[str, Any]) -> dict:
         response = self._client.post(
             "/v1/chat/completions", json={**body, "stream": False}, headers=self._headers(agent_id)
         )
         _raise_for(response.status_code, response.content)
         return response.json()
 
-    def stream(self, agent_id: str | None, body: Mapping[str, Any]) -> Iterator[dict]:
+    def stream(self, agent_id: AgentId | None, body: Mapping[str, Any]) -> Generator[dict, None, None]:
         """Closing the iterator early closes the connection, and the server cancels the request."""
         with self._client.stream(
             "POST", "/v1/chat/completions", json={**body, "stream": True}, headers=self._headers(agent_id)
@@ -219,7 +274,7 @@ class RemoteBackend:
                 if (chunk := _sse_data(line)) is not None:
                     yield chunk
 
-    async def acomplete(self, agent_id: str | None, body: Mapping[str, Any]) -> dict:
+    async def acomplete(self, agent_id: AgentId | None, body: Mapping[str, Any]) -> dict:
         import httpx
 
         async with httpx.AsyncClient(**self._aclient_args) as client:
@@ -229,7 +284,7 @@ class RemoteBackend:
         _raise_for(response.status_code, response.content)
         return response.json()
 
-    async def astream(self, agent_id: str | None, body: Mapping[str, Any]) -> AsyncIterator[dict]:
+    async def astream(self, agent_id: AgentId | None, body: Mapping[str, Any]) -> AsyncGenerator[dict, None]:
         import httpx
 
         async with httpx.AsyncClient(**self._aclient_args) as client:
@@ -242,12 +297,12 @@ class RemoteBackend:
                     if (chunk := _sse_data(line)) is not None:
                         yield chunk
 
-    def append(self, agent_id: str, body: Mapping[str, Any], background: bool = False) -> dict:
+    def append(self, agent_id: AgentId, body: Mapping[str, Any], background: bool = False) -> dict:
         response = self._client.post(f"/v1/agents/{agent_id}/append", json={**body, "background": background})
         _raise_for(response.status_code, response.content)
         return response.json()
 
-    def fork(self, source: str, new_agent: str) -> dict:
+    def fork(self, source: AgentId, new_agent: AgentId) -> dict:
         response = self._client.post(f"/v1/agents/{source}/fork", json={"new_agent": new_agent})
         _raise_for(response.status_code, response.content)
         return response.json()
@@ -259,9 +314,6 @@ class RemoteBackend:
 
     def close(self) -> None:
         self._client.close()
-
-
-Backend = LocalBackend | RemoteBackend
 
 
 def connect(
@@ -283,11 +335,6 @@ def connect(
 # -- helpers ---------------------------------------------------------------------------------
 def _include_usage(body: Mapping[str, Any]) -> bool:
     return bool((body.get("stream_options") or {}).get("include_usage"))
-
-
-def _from_api_error(exc: Any) -> BackendError:
-    err = exc.body.get("error", {})
-    return BackendError(err.get("message", str(exc)), exc.status, err.get("code"))
 
 
 def _raise_for(status: int, content: bytes) -> None:
@@ -318,7 +365,9 @@ def _sse_data(line: str) -> dict | None:
 def merge_chunks(chunks: list[dict]) -> dict:
     """A whole ``chat.completion``-like message from stream chunks (content, tool calls,
     finish_reason, usage, kvshelf extension): adapters that stream still report one result."""
-    content, calls, finish, usage, ext = "", [], None, None, {}
+    content, finish, usage = "", None, None
+    calls: list[dict] = []
+    ext: dict = {}
     for chunk in chunks:
         usage = chunk.get("usage") or usage
         ext = chunk.get("kvshelf") or ext

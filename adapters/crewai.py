@@ -27,7 +27,7 @@ agent's own persistent KV cache.
    text>``, so calls with the same persona share a cache, stably across runs.
 
 **Defaults.** ``temperature`` is 0 (greedy, reproducible) unless given; ``max_tokens``
-is kvshelf's adapter default (512) unless given. Stop words (ReAct's ``\\nObservation:``)
+is ``GenerationParams``' default (2048, in process or remote) unless given. Stop words (ReAct's ``\\nObservation:``)
 are sent to the engine, which stops there; the reply never contains them.
 
 **Results** follow CrewAI's native OpenAI LLM: text; or, when the model calls tools,
@@ -49,17 +49,20 @@ import json
 import logging
 import re
 import threading
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
 
 from crewai.events.types.llm_events import LLMCallType
 from crewai.hooks.dispatch import HookAborted
 from crewai.llms.base_llm import BaseLLM, LLMCallBlockedError, llm_call_context
 from crewai.utilities.exceptions.context_window_exceeding_exception import LLMContextLengthExceededError
+from crewai.utilities.types import LLMMessage
 from pydantic import BaseModel, Field, PrivateAttr, model_validator
 
 from kvshelf.adapters.backend import Backend, BackendError, connect, merge_chunks
 from kvshelf.adapters.identity import agent_key, fallback_key
+from kvshelf.runtime.params import GenerationParams
+from kvshelf.storage.agent_id import AgentId
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +70,7 @@ _MESSAGE_KEYS = ("role", "content", "name", "tool_calls", "tool_call_id")
 _SLUG = re.compile(r"[^A-Za-z0-9]+")
 _CONTEXT_USAGE_RATIO = 0.85  # CrewAI's share of the window it lets a prompt fill
 _connect_lock = threading.Lock()  # module-level: a lock in the model would break deep copies
+_DEFAULTS = GenerationParams()  # the engine's and the server's defaults, so local and remote agree
 
 
 class KVShelfLLM(BaseLLM):
@@ -79,7 +83,7 @@ class KVShelfLLM(BaseLLM):
     llm_type: str = "kvshelf"
     model: str = "embedded"
     provider: str = "kvshelf"
-    temperature: float | None = 0.0
+    temperature: float | None = _DEFAULTS.temperature
     cache_dir: str | None = None
     budget: int | str | None = None
     agent_id: str | None = None
@@ -89,7 +93,7 @@ class KVShelfLLM(BaseLLM):
 
     _backend: Backend | None = PrivateAttr(default=None)
     _turns: list[dict[str, Any]] = PrivateAttr(default_factory=list)
-    _by_system: dict[str, str] = PrivateAttr(default_factory=dict)  # system-text key -> agent id
+    _by_system: dict[AgentId, AgentId] = PrivateAttr(default_factory=dict)  # system-text key -> agent id
 
     @model_validator(mode="before")
     @classmethod
@@ -99,7 +103,7 @@ class KVShelfLLM(BaseLLM):
             data.setdefault("model", "embedded")
             data.setdefault("provider", "kvshelf")
             if data.get("temperature") is None:
-                data["temperature"] = 0.0
+                data["temperature"] = _DEFAULTS.temperature
             if data.get("cache_dir") is not None:
                 data["cache_dir"] = str(data["cache_dir"])
         return data
@@ -121,7 +125,7 @@ class KVShelfLLM(BaseLLM):
                     )
         return self._backend
 
-    def agent_id_for(self, from_agent: Any = None, messages: list[Mapping[str, Any]] | None = None) -> str:
+    def agent_id_for(self, from_agent: Any = None, messages: Sequence[Mapping[str, Any]] | None = None) -> AgentId:
         """The kvshelf agent id a call from ``from_agent`` with ``messages`` uses."""
         if self.agent_id:
             return agent_key(self.agent_id)
@@ -170,7 +174,7 @@ class KVShelfLLM(BaseLLM):
         from_task: Any,
         from_agent: Any,
         response_model: type[BaseModel] | None,
-    ) -> tuple[list[dict[str, Any]], str, dict[str, Any], bool]:
+    ) -> tuple[list[LLMMessage], AgentId, dict[str, Any], bool]:
         """What ``call`` and ``acall`` do before the request: the started event, the
         before-call hooks, the agent and the body (messages, agent id, body, streaming)."""
         self._emit_call_started_event(
@@ -293,7 +297,7 @@ class KVShelfLLM(BaseLLM):
     def _finish(
         self,
         reply: dict,
-        agent: str,
+        agent: AgentId,
         messages: list[Any],
         available_functions: dict[str, Any] | None,
         from_task: Any,
@@ -340,6 +344,7 @@ class KVShelfLLM(BaseLLM):
             except ValueError as exc:
                 logger.warning("kvshelf: reply is not a valid %s, returned as text: %s", schema.__name__, exc)
             else:
+                assert isinstance(parsed, BaseModel)  # a schema was given, so it parsed into one
                 self._emit_call_completed_event(
                     response=parsed.model_dump_json(), call_type=LLMCallType.LLM_CALL, **done
                 )
@@ -348,7 +353,7 @@ class KVShelfLLM(BaseLLM):
         self._emit_call_completed_event(response=content, call_type=LLMCallType.LLM_CALL, **done)
         return self._invoke_after_llm_call_hooks(messages, content, from_agent)
 
-    def _record(self, agent: str, from_agent: Any, from_task: Any, reply: dict) -> None:
+    def _record(self, agent: AgentId, from_agent: Any, from_task: Any, reply: dict) -> None:
         usage, ext = reply.get("usage") or {}, reply.get("kvshelf") or {}
         self._turns.append(
             {

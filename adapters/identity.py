@@ -8,6 +8,9 @@ name, so two names never collide and the same name always maps to the same cache
 Some calls carry no agent at all (CrewAI's forced final answer, LangChain runs without
 metadata). ``fallback_key`` keys those by the system text: calls that share a persona
 share a cache, and that key is stable across restarts.
+
+Both return an ``AgentId``: this is where an adapter's id is validated, once; the
+backend, the server's request code and the engine's caller-facing checks take it as it is.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from kvshelf.errors import InvalidAgentId
-from kvshelf.storage.agent_id import validate_agent_id
+from kvshelf.storage.agent_id import AgentId
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9._:@-]+")
 
@@ -27,18 +30,22 @@ def _digest(text: str) -> str:
     return hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=6).hexdigest()
 
 
-def agent_key(name: str, prefix: str = "") -> str:
+def agent_key(name: str, prefix: str = "") -> AgentId:
     """A valid, stable agent id for a framework's agent name (``prefix`` namespaces it)."""
+    if isinstance(name, AgentId) and not prefix:
+        return name
     candidate = f"{prefix}{name}"
     try:
-        return validate_agent_id(candidate)
+        return AgentId(candidate)
     except InvalidAgentId:
         pass
     slug = _UNSAFE.sub("-", name).strip("-.")[:80].replace("..", ".") or "agent"
-    return validate_agent_id(f"{prefix}{slug}-{_digest(name)}")
+    return AgentId(f"{prefix}{slug}-{_digest(name)}")
 
 
-def fallback_key(messages: Sequence[Mapping[str, Any]], prefix: str = "anon-") -> str:
-    """A stable id for a call that names no agent: a hash of its system text."""
+def fallback_key(messages: Sequence[Mapping[str, Any]], prefix: str = "anon-") -> AgentId:
+    """A stable id for a call that names no agent: a hash of its system text.
+
+    Raises ``InvalidAgentId`` when ``prefix`` cannot start an id."""
     system = "\n".join(str(m.get("content") or "") for m in messages if m.get("role") in ("system", "developer"))
-    return f"{prefix}{_digest(system)}"
+    return AgentId(f"{prefix}{_digest(system)}")

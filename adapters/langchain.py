@@ -20,7 +20,7 @@ import json
 import os
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from operator import itemgetter
-from typing import Any, Literal
+from typing import Any, Literal, TypeGuard
 
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
 from langchain_core.language_models import BaseChatModel, LanguageModelInput
@@ -40,11 +40,13 @@ from langchain_core.runnables import Runnable, RunnableMap, RunnablePassthrough
 from langchain_core.runnables.config import RunnableConfig, ensure_config
 from langchain_core.tools import BaseTool
 from langchain_core.utils.function_calling import convert_to_openai_tool
-from langchain_core.utils.pydantic import is_basemodel_subclass
+from langchain_core.utils.pydantic import TypeBaseModel, is_basemodel_subclass
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, SecretStr
 
 from kvshelf.adapters.backend import Backend, connect
 from kvshelf.adapters.identity import agent_key, fallback_key
+from kvshelf.runtime.params import GenerationParams
+from kvshelf.storage.agent_id import AgentId
 
 # Per-call keyword arguments (``invoke(..., **kw)``, ``bind(**kw)``) sent in the request body.
 _BODY_KWARGS = (
@@ -61,6 +63,7 @@ _METADATA_KEYS = ("agent_id", "lc_agent_name")
 # ``stream()``/``astream()`` call ``_stream`` without a run manager: they hand the identity
 # keys of the call's config metadata down in this keyword argument instead.
 _RUN_METADATA = "kvshelf_run_metadata"
+_DEFAULTS = GenerationParams()  # the engine's and the server's defaults, so local and remote agree
 
 
 class ChatKVShelf(BaseChatModel):
@@ -91,7 +94,7 @@ class ChatKVShelf(BaseChatModel):
 
     **Sampling.** ``temperature`` defaults to 0, i.e. greedy decoding (unlike OpenAI's 1),
     so that agents are reproducible and small models stay on track; pass a temperature
-    (and ``seed``) to sample. ``max_tokens`` defaults to the backend's 512.
+    (and ``seed``) to sample. ``max_tokens`` defaults to ``GenerationParams``' 2048, in process or remote.
 
     **Results.** ``usage_metadata`` has ``input_token_details.cache_read``: the prompt
     tokens served from the agent's cache. ``response_metadata`` has ``model_name``,
@@ -116,8 +119,8 @@ class ChatKVShelf(BaseChatModel):
     """RAM budget for resident caches when the in-process engine is created (e.g. "2GB")."""
     agent_id: str | None = None
     """The agent whose cache every call of this instance uses (see the resolution order)."""
-    temperature: float = 0.0
-    """0 (the default) decodes greedily."""
+    temperature: float = _DEFAULTS.temperature
+    """0 (the default, ``GenerationParams``') decodes greedily."""
     max_tokens: int | None = None
     stop: list[str] | None = None
     seed: int | None = None
@@ -179,7 +182,7 @@ class ChatKVShelf(BaseChatModel):
     # -- requests ------------------------------------------------------------------------
     def _resolve_agent(
         self, messages: list[dict], kwargs: Mapping[str, Any], run_metadata: Mapping[str, Any] | None
-    ) -> str:
+    ) -> AgentId:
         if (bound := kwargs.get("agent_id") or self.agent_id) is not None:
             return agent_key(str(bound))
         sources = (run_metadata or {}, kwargs.get(_RUN_METADATA) or {}, ensure_config().get("metadata") or {})
@@ -198,7 +201,7 @@ class ChatKVShelf(BaseChatModel):
         stop: list[str] | None,
         kwargs: Mapping[str, Any],
         run_manager: CallbackManagerForLLMRun | AsyncCallbackManagerForLLMRun | None,
-    ) -> tuple[str, dict[str, Any]]:
+    ) -> tuple[AgentId, dict[str, Any]]:
         """(agent id, OpenAI chat request body) for one call."""
         openai_messages = [_clean(m) for m in convert_to_openai_messages(messages, text_format="string")]
         body: dict[str, Any] = {
@@ -271,7 +274,7 @@ class ChatKVShelf(BaseChatModel):
                     run_manager.on_llm_new_token(chunk.text, chunk=chunk)
                 yield chunk
         finally:
-            chunks.close()  # type: ignore[attr-defined]  # stops the request if we were abandoned
+            chunks.close()  # stops the request if we were abandoned
 
     async def _astream(
         self,
@@ -295,7 +298,7 @@ class ChatKVShelf(BaseChatModel):
                     await run_manager.on_llm_new_token(chunk.text, chunk=chunk)
                 yield chunk
         finally:
-            await chunks.aclose()  # type: ignore[attr-defined]
+            await chunks.aclose()
 
     def get_num_tokens_from_messages(self, messages: list[BaseMessage], tools: Sequence[Any] | None = None) -> int:
         """Prompt tokens as the model will see them (chat template and tools included)."""
@@ -342,13 +345,13 @@ class ChatKVShelf(BaseChatModel):
         """
         if kwargs:
             raise ValueError(f"Unexpected arguments: {sorted(kwargs)}")
-        is_pydantic = isinstance(schema, type) and is_basemodel_subclass(schema)
+        llm: Runnable[LanguageModelInput, AIMessage]
         if method == "json_mode":
             llm = self.bind(
                 response_format={"type": "json_object"},
                 ls_structured_output_format={"kwargs": {"method": method}, "schema": schema},
             )
-            parser: Runnable = PydanticOutputParser(pydantic_object=schema) if is_pydantic else JsonOutputParser()  # type: ignore[arg-type]
+            parser: Runnable = _json_parser(schema)
         else:
             if schema is None:
                 raise ValueError(f"with_structured_output(method={method!r}) needs a schema")
@@ -364,7 +367,7 @@ class ChatKVShelf(BaseChatModel):
                 )
                 parser = (
                     PydanticToolsParser(tools=[schema], first_tool_only=True)
-                    if is_pydantic  # type: ignore[list-item]
+                    if _is_pydantic_class(schema)
                     else JsonOutputKeyToolsParser(key_name=function["name"], first_tool_only=True)
                 )
             elif method == "json_schema":
@@ -378,7 +381,7 @@ class ChatKVShelf(BaseChatModel):
                     },
                 }
                 llm = self.bind(response_format=response_format, ls_structured_output_format=structured)
-                parser = PydanticOutputParser(pydantic_object=schema) if is_pydantic else JsonOutputParser()  # type: ignore[arg-type]
+                parser = _json_parser(schema)
             else:
                 raise ValueError(f"method must be 'json_schema', 'function_calling' or 'json_mode', not {method!r}")
         if not include_raw:
@@ -386,6 +389,18 @@ class ChatKVShelf(BaseChatModel):
         parsed = RunnablePassthrough.assign(parsed=itemgetter("raw") | parser, parsing_error=lambda _: None)
         fallback = RunnablePassthrough.assign(parsed=lambda _: None)
         return RunnableMap(raw=llm) | parsed.with_fallbacks([fallback], exception_key="parsing_error")
+
+
+def _is_pydantic_class(schema: object) -> TypeGuard[TypeBaseModel]:
+    """A pydantic model class (v2, or v1 through ``pydantic.v1``): replies parse into instances of it."""
+    return isinstance(schema, type) and is_basemodel_subclass(schema)
+
+
+def _json_parser(schema: object) -> Runnable:
+    """Parses a JSON reply: into ``schema`` if it is a pydantic class, else into a dict."""
+    if _is_pydantic_class(schema):
+        return PydanticOutputParser(pydantic_object=schema)
+    return JsonOutputParser()
 
 
 # -- conversions -------------------------------------------------------------------------

@@ -18,6 +18,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 from common import drop_from_page_cache, prompt_of_tokens, write_json
 
@@ -25,7 +26,7 @@ from kvshelf.runtime.engine import ChatResult, Engine
 
 
 def messages(engine: Engine, i: int) -> list[dict]:
-    doc = prompt_of_tokens(engine.tokenizer, 200, salt=f"Document {i}. ")
+    doc = prompt_of_tokens(engine.loaded.tokenizer, 200, salt=f"Document {i}. ")
     return [{"role": "user", "content": f"{doc}\n\nRetell the text above in your own words, at length."}]
 
 
@@ -85,10 +86,12 @@ def throughput(engine: Engine, counts: list[int], tokens: int) -> list[dict]:
     return rows
 
 
-def intervals(stamps: list[float], start: float | None = None, end: float | None = None) -> list[float]:
+def intervals(stamps: list[float], window: tuple[float, float] | None = None) -> list[float]:
+    """The gaps between consecutive stamps; with a (start, end) window, only the gaps that overlap it."""
     gaps = [b - a for a, b in zip(stamps, stamps[1:])]
-    if start is None:
+    if window is None:
         return gaps
+    start, end = window
     return [b - a for a, b in zip(stamps, stamps[1:]) if b >= start and a <= end]
 
 
@@ -102,7 +105,7 @@ def hidden_io(engine: Engine, tokens: int) -> dict:
     engine.evict("late")
 
     def restore_alone() -> ChatResult:
-        drop_from_page_cache(engine.store.path_for("late"))
+        drop_from_page_cache(engine._shelf.store.path_for("late"))
         r = engine.chat("late", late_msgs, max_tokens=1)
         assert r.cache == "warm"
         engine.evict("late")
@@ -117,7 +120,7 @@ def hidden_io(engine: Engine, tokens: int) -> dict:
     for aid, msgs in decoders.items():
         engine.prefill(aid, msgs)
     # the same 3 decoding while "late" is restored from disk and answers
-    drop_from_page_cache(engine.store.path_for("late"))
+    drop_from_page_cache(engine._shelf.store.path_for("late"))
     stamps, results = {}, {}
     threads = [
         threading.Thread(target=timed_stream, args=(engine, a, m, tokens, stamps, results)) for a, m in decoders.items()
@@ -131,13 +134,13 @@ def hidden_io(engine: Engine, tokens: int) -> dict:
     t_first = t_req + late_result.ttft_s
     for t in threads:
         t.join()
-    during = [g for a in decoders for g in intervals(stamps[a], t_req, t_first)]
-    out = {
+    during = [g for a in decoders for g in intervals(stamps[a], (t_req, t_first))]
+    out: dict[str, Any] = {
         "restore_ttft_alone_s": alone.ttft_s,
         "restore_ttft_while_3_decode_s": late_result.ttft_s,
         "decode_step_s_without_restore": statistics.median(base),
         "decode_step_s_during_restore": statistics.median(during) if during else None,
-        "record_bytes": engine.store.size_on_disk("late"),
+        "record_bytes": engine._shelf.store.size_on_disk("late"),
     }
     print(
         f"restore TTFT alone {out['restore_ttft_alone_s'] * 1000:.0f} ms, while 3 decode "
@@ -161,7 +164,7 @@ def main() -> None:
         result = {
             "benchmark": "concurrency",
             "model": args.model,
-            "kv_scheme": engine.scheme.name,
+            "kv_scheme": engine.kv_scheme.name,
             "throughput": throughput(engine, args.agents, args.tokens),
             "hidden_io": hidden_io(engine, args.tokens * 2),
         }

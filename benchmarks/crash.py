@@ -1,5 +1,5 @@
 """Crash safety: SIGKILL a kvshelf process again and again during saves, evictions and
-erasures, and check every record after each kill (the harness is tests/crashkit.py, which
+erasures, and check every record after each kill (the harness is tests/support/crashkit.py, which
 says exactly what "acknowledged" means and what is checked).
 
 Each round starts a child on the same cache directory that carries on the four agents'
@@ -24,11 +24,12 @@ from collections import Counter
 from dataclasses import asdict
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent.parent / "tests"))  # the harness and tiny models live with the tests
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the harness and tiny models live with the tests
 
 from common import write_json  # noqa: E402
-from crashkit import KILL_MODES, Ledger, crash_once, warm_restore_check  # noqa: E402
-from tiny import make_tiny_model_dir  # noqa: E402
+
+from tests.support.crashkit import KILL_MODES, Ledger, crash_once, warm_restore_check  # noqa: E402
+from tests.support.tiny import make_tiny_model_dir  # noqa: E402
 
 
 def main() -> None:

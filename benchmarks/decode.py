@@ -28,7 +28,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import kvshelf  # noqa: F401  (preloads OpenBLAS, which must come before mlx)
@@ -81,7 +81,9 @@ def build_model(name: str) -> nn.Module:
 
 
 def weight_bytes(model: nn.Module) -> int:
-    return sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+    params = tree_flatten(model.parameters())
+    assert isinstance(params, list)  # (name, array) pairs: a dict comes back only for a dict destination
+    return sum(v.nbytes for _, v in params)
 
 
 def bandwidth_gbs(megabytes: int = 512, repeats: int = 7) -> dict[str, float]:
@@ -116,7 +118,7 @@ def fill(layers: list[Any], spec: ModelCacheSpec, context: int, seed: int) -> No
 
 
 def _state(c: Any) -> list[mx.array]:
-    out = []
+    out: list[mx.array] = []
     for name in ("keys", "values", "k_tail", "sink_k", "sink_v"):
         x = getattr(c, name, None)
         if isinstance(x, tuple):
@@ -225,7 +227,7 @@ def chart(result: dict) -> None:
         rows = [r for r in result["rows"] if r["model"] == model and r["batch"] == 1]
         contexts = sorted({r["context"] for r in rows})
         paths = sorted({r["path"] for r in rows})
-        series = {
+        series: dict[str, Sequence[float]] = {
             p: [next((r["ms_per_step"] for r in rows if r["path"] == p and r["context"] == c), 0.0) for c in contexts]
             for p in paths
         }

@@ -281,12 +281,14 @@ def main() -> None:
     from kvshelf.runtime.engine import Engine
 
     check = Engine(model=args.model, cache_dir=cache_dir, progress=False)
-    ids = check.store.agent_ids()
-    unusable = [aid for aid in ids if check.load_record(aid) is None]
-    quarantined = len(list(check.store.quarantine_dir.glob("*.safetensors")))
+    ids = check._shelf.store.agent_ids()
+    unusable = [aid for aid in ids if check._shelf.load(aid) is None]
+    quarantined = len(list(check._shelf.store.quarantine_dir.glob("*.safetensors")))
     from mlx.utils import tree_flatten
 
-    model_bytes = sum(v.nbytes for _, v in tree_flatten(check.model.parameters()))  # as held in RAM (fp32 on CPU)
+    params = tree_flatten(check.loaded.model.parameters())
+    assert isinstance(params, list)  # (name, array) pairs: a dict comes back only for a dict destination
+    model_bytes = sum(v.nbytes for _, v in params)  # as held in RAM (fp32 on CPU)
     check.close()
     tmp.cleanup()
 

@@ -20,6 +20,7 @@ import ctypes
 import os
 import platform
 import time
+from importlib.metadata import version
 
 p = argparse.ArgumentParser()
 p.add_argument("--vocab", type=int, default=262144)
@@ -47,7 +48,7 @@ def median_ms(f, n: int = 10) -> float:
 W = mx.random.normal((args.vocab, args.hidden))  # float32, row-major, like a tied embedding
 x1, x8 = mx.random.normal((1, args.hidden)), mx.random.normal((8, args.hidden))
 mx.eval(W, x1, x8)
-Wn, xn = np.asarray(memoryview(W)), np.asarray(x1)[0]  # Wn: a view of MLX's buffer, no copy
+Wn, xn = np.asarray(memoryview(W)), np.asarray(x1)[0]  # type: ignore[arg-type]  # Wn: MLX's buffer, no copy
 
 mlx_1 = median_ms(lambda: mx.eval(x1 @ W.T))
 mlx_8 = median_ms(lambda: mx.eval(x8 @ W.T))
@@ -64,7 +65,7 @@ if preloaded:  # the sgemv of the very OpenBLAS whose sgemm MLX calls
         lambda: fn(101, 111, rows, cols, 1.0, Wn.ctypes.data, cols, xn.ctypes.data, 1, 0.0, y.ctypes.data, 1)
     )
 
-print(f"mlx {mx.__version__}, numpy {np.__version__}, {platform.machine()}, {os.cpu_count()} CPUs")
+print(f"mlx {version('mlx')}, numpy {np.__version__}, {platform.machine()}, {os.cpu_count()} CPUs")
 for line in sorted({line.split()[-1] for line in open("/proc/self/maps") if "blas" in line.lower()}):
     try:
         get_config = ctypes.CDLL(line).openblas_get_config

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import httpx
 from autogen_agentchat.agents import AssistantAgent
+from autogen_agentchat.base import ChatAgent, Team
 from autogen_agentchat.messages import TextMessage
 from autogen_agentchat.teams import RoundRobinGroupChat
 
@@ -101,7 +102,9 @@ async def main() -> None:
     client = KVShelfChatCompletionClient(
         args.model, base_url=args.base_url, api_key=args.api_key, max_tokens=args.max_tokens, agent_prefix=PREFIX
     )
-    agents = [AssistantAgent(name, model_client=client, system_message=system) for name, system in AGENTS.items()]
+    agents: list[ChatAgent | Team] = [
+        AssistantAgent(name, model_client=client, system_message=system) for name, system in AGENTS.items()
+    ]
     team = RoundRobinGroupChat(agents, max_turns=args.rounds * len(agents))
 
     if args.fresh:

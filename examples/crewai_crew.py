@@ -74,7 +74,7 @@ def main() -> None:
     parser.add_argument("--fresh", action="store_true", help="forget the crew's agents before running")
     args = parser.parse_args()
 
-    from crewai import Agent, Crew, Process, Task
+    from crewai import Agent, Crew, CrewOutput, Process, Task
 
     import kvshelf  # noqa: F401  (OpenBLAS before MLX)
     from kvshelf.adapters.crewai import KVShelfLLM
@@ -107,6 +107,7 @@ def main() -> None:
 
     started = time.perf_counter()
     result = crew.kickoff(inputs={"topic": args.topic})
+    assert isinstance(result, CrewOutput)  # not streamed: the crew was built without stream=True
     elapsed = time.perf_counter() - started
 
     print(f"\nkvshelf model {llm.backend.model_name} ({'remote ' + args.base_url if args.base_url else 'in process'})")

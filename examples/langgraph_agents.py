@@ -26,14 +26,22 @@ import json
 import os
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from langchain.agents import create_agent
-from langchain.agents.middleware import ModelCallLimitMiddleware, ModelRequest, wrap_model_call
-from langchain_core.messages import AIMessage, HumanMessage, ToolMessage, messages_from_dict, messages_to_dict
+from langchain.agents.middleware import AgentMiddleware, ModelCallLimitMiddleware, ModelRequest, wrap_model_call
+from langchain_core.messages import (
+    AIMessage,
+    AnyMessage,
+    HumanMessage,
+    ToolMessage,
+    messages_from_dict,
+    messages_to_dict,
+)
 from langchain_core.tools import tool
 
 import kvshelf  # noqa: F401  (OpenBLAS before MLX)
+from kvshelf.adapters.backend import LocalBackend, RemoteBackend
 from kvshelf.adapters.langchain import ChatKVShelf
 from kvshelf.paths import kvshelf_home
 
@@ -73,15 +81,16 @@ def report(agent: str, turn: int, new: list) -> None:
         elif isinstance(msg, AIMessage) and "kvshelf" not in msg.response_metadata:
             print(f"    {agent:>10}  ({msg.text})")  # a middleware's message, e.g. the call limit
         elif isinstance(msg, AIMessage):
-            kv, usage = msg.response_metadata.get("kvshelf", {}), msg.usage_metadata or {}
-            read = (usage.get("input_token_details") or {}).get("cache_read", 0)
+            kv, usage = msg.response_metadata.get("kvshelf", {}), msg.usage_metadata
+            read = ((usage.get("input_token_details") if usage else None) or {}).get("cache_read", 0)
+            prompt = usage.get("input_tokens", 0) if usage else 0
             said = (
                 f"calls {msg.tool_calls[0]['name']}({json.dumps(msg.tool_calls[0]['args'])})"
                 if msg.tool_calls
                 else repr(msg.text.strip()[:70])
             )
             print(
-                f"  t{turn} {agent:>10}  {kv.get('cache', '?'):>4}  cached {read:4d}/{usage.get('input_tokens', 0):<4d}"
+                f"  t{turn} {agent:>10}  {kv.get('cache', '?'):>4}  cached {read:4d}/{prompt:<4d}"
                 f"  ttft {kv.get('ttft_s', 0):6.2f}s  {said}"
             )
 
@@ -114,12 +123,16 @@ def main() -> None:
         )
 
     llm = chat_model(args.max_tokens)
+    researcher_middleware: list[AgentMiddleware[Any, Any, Any]] = [
+        call_the_tool_first,
+        ModelCallLimitMiddleware(run_limit=2),
+    ]
     agents = {  # the researcher's replies are longer: a whole tool call must fit
         "researcher": create_agent(
             chat_model(2 * args.max_tokens),
             tools=[lookup_product],
             system_prompt=BRIEFING + " You research facts.",
-            middleware=[call_the_tool_first, ModelCallLimitMiddleware(run_limit=2)],
+            middleware=researcher_middleware,
             name="researcher",
         ),
         "writer": create_agent(llm, system_prompt=BRIEFING + " You write the newsletter.", name="writer"),
@@ -127,8 +140,9 @@ def main() -> None:
     if args.fresh:
         forget(llm, list(agents))
         args.state.unlink(missing_ok=True)
-    state = json.loads(args.state.read_text()) if args.state.exists() else {"turn": 0, "histories": {}}
-    histories = {name: messages_from_dict(state["histories"].get(name, [])) for name in agents}
+    state: dict[str, Any] = json.loads(args.state.read_text()) if args.state.exists() else {"turn": 0, "histories": {}}
+    # messages_from_dict builds the concrete message classes (AnyMessage), typed as their base class
+    histories = {name: cast(list[AnyMessage], messages_from_dict(state["histories"].get(name, []))) for name in agents}
     print(
         f"{'continuing' if state['turn'] else 'starting'} on {llm.backend.model_name} "
         f"({'remote ' + args.base_url if args.base_url else 'in-process'}); state in {args.state}"
@@ -157,9 +171,9 @@ def main() -> None:
 def forget(llm: ChatKVShelf, names: list[str]) -> None:
     backend = llm.backend
     for name in names:
-        if hasattr(backend, "engine"):
+        if isinstance(backend, LocalBackend):
             backend.engine.forget(name)
-        else:
+        elif isinstance(backend, RemoteBackend):
             backend._client.delete(f"/v1/agents/{name}")  # 404 when it does not exist: fine
 
 

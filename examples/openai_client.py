@@ -16,6 +16,8 @@ import os
 
 import httpx
 from openai import OpenAI
+from openai.types import CompletionUsage
+from openai.types.chat import ChatCompletionMessageParam
 
 AGENTS = {
     "ada": "You are Ada, a careful engineer. Answer in one sentence.",
@@ -23,6 +25,12 @@ AGENTS = {
     "cy": "You are Cy, a skeptic. Answer with one pointed question.",
 }
 QUESTIONS = ["What makes a good tool?", "Why do caches matter?", "What should we build next?"]
+
+
+def cache_hits(usage: CompletionUsage | None) -> tuple[int, int]:
+    """(cached, prompt) tokens of a reply; kvshelf always reports both."""
+    assert usage is not None and usage.prompt_tokens_details is not None
+    return usage.prompt_tokens_details.cached_tokens or 0, usage.prompt_tokens
 
 
 def main() -> None:
@@ -35,7 +43,9 @@ def main() -> None:
 
     client = OpenAI(base_url=args.base_url, api_key=args.api_key)
     model = client.models.list().data[0].id
-    histories = {name: [{"role": "system", "content": system}] for name, system in AGENTS.items()}
+    histories: dict[str, list[ChatCompletionMessageParam]] = {
+        name: [{"role": "system", "content": system}] for name, system in AGENTS.items()
+    }
 
     for turn in range(args.turns):
         question = QUESTIONS[turn % len(QUESTIONS)]
@@ -48,11 +58,8 @@ def main() -> None:
             )
             text = reply.choices[0].message.content or ""
             history.append({"role": "assistant", "content": text})
-            usage, extra = reply.usage, reply.model_extra.get("kvshelf", {})
-            print(
-                f"[{name:>3}] {extra.get('cache', '?'):>4}  cached {usage.prompt_tokens_details.cached_tokens:4d}"
-                f"/{usage.prompt_tokens:<4d} {text.strip()[:90]!r}"
-            )
+            (cached, prompt), extra = cache_hits(reply.usage), (reply.model_extra or {}).get("kvshelf", {})
+            print(f"[{name:>3}] {extra.get('cache', '?'):>4}  cached {cached:4d}/{prompt:<4d} {text.strip()[:90]!r}")
 
     # streaming, as a framework would do it, with usage in the last chunk
     print("\n== ada, streamed:")
@@ -68,7 +75,8 @@ def main() -> None:
         if chunk.choices and chunk.choices[0].delta.content:
             print(chunk.choices[0].delta.content, end="", flush=True)
         elif chunk.usage:
-            print(f"\n(cached {chunk.usage.prompt_tokens_details.cached_tokens}/{chunk.usage.prompt_tokens} tokens)")
+            cached, prompt = cache_hits(chunk.usage)
+            print(f"\n(cached {cached}/{prompt} tokens)")
 
     # the agents the server keeps (kvshelf's own endpoint, beside the OpenAI ones)
     root = args.base_url.rstrip("/")

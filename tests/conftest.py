@@ -1,21 +1,13 @@
-"""Shared fixtures. Importing kvshelf first preloads OpenBLAS before MLX."""
+"""Shared fixtures (helpers live in tests/support). Importing kvshelf first preloads OpenBLAS before MLX."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 import kvshelf  # noqa: F401  (must precede any mlx import)
-
-sys.path.insert(0, str(Path(__file__).parent))
-from tiny import CONFIGS, make_tiny_model_dir  # noqa: E402
-
-TESTS_DIR = Path(__file__).parent
+from tests.support.tiny import CONFIGS, make_tiny_model_dir
 
 
 @pytest.fixture(scope="session")
@@ -33,30 +25,19 @@ def embedded_loaded():
     return load("embedded", progress=False)
 
 
-def run_in_subprocess(code: str, timeout: float = 300) -> dict:
-    """Run ``code`` in a fresh Python process (a real restart); it must print one JSON line last."""
-    env = dict(os.environ, PYTHONPATH=str(TESTS_DIR))
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout, env=env)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """A test that loads the real embedded model is an ``embedded`` test, marked or not.
 
-
-def continue_in_new_process(model: str, cache_dir: Path, agent_id: str, messages: list[dict], max_tokens: int) -> dict:
-    """A real restart: a new process restores ``agent_id`` from ``cache_dir`` and continues.
-
-    Returns the next-token logits after ``messages`` and the greedy reply's token ids.
+    The marker decides the fast tier (``-m "not embedded"``: tiny models only), so it is
+    derived from what a test really uses: any test whose fixtures reach ``embedded_loaded``
+    (loading Gemma 3 270M costs seconds, far more with a cold page cache) gets it too.
     """
-    import numpy as np
-
-    out = cache_dir / f"{agent_id}-restored.npy"
-    code = f"""
-import json, numpy as np, kvshelf
-from kvshelf.runtime.engine import Engine
-e = Engine(model={model!r}, cache_dir={str(cache_dir)!r}, progress=False)
-np.save({str(out)!r}, e.prefill({agent_id!r}, {messages!r}))
-r = e.chat({agent_id!r}, {messages!r}, max_tokens={max_tokens})
-print(json.dumps({{"tokens": r.token_ids, "cache": r.cache, "cached": r.usage.cached_tokens}}))
-"""
-    result = run_in_subprocess(code)
-    result["logits"] = np.load(out)
-    return result
+    for item in items:
+        if "embedded_loaded" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.embedded)
+        # A module may name single parametrized cases it expects to fail (``XFAIL_CASES``:
+        # item name -> reason), for suites such as langchain-tests whose tests must not be
+        # overridden; the mark is strict, so a case that starts passing fails the run.
+        reason = getattr(getattr(item, "module", None), "XFAIL_CASES", {}).get(item.name)
+        if reason:
+            item.add_marker(pytest.mark.xfail(reason=reason, strict=True))

@@ -18,10 +18,10 @@ from collections.abc import Iterator
 from types import SimpleNamespace
 
 import pytest
-from servers import ServerThread
 
 from kvshelf.runtime.engine import Engine
 from kvshelf.serving.server import create_app
+from tests.support.servers import ServerThread
 
 MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Say something."}]
 
@@ -82,7 +82,8 @@ class Events:
     """CrewAI events of the given types, collected while the context is open."""
 
     def __init__(self, cw, *types) -> None:
-        self.cw, self.types, self.seen = cw, types, []
+        self.cw, self.types = cw, types
+        self.seen: list[object] = []
 
     def __enter__(self) -> Events:
         self.scope = self.cw.bus.scoped_handlers()
@@ -244,12 +245,15 @@ def test_tool_calls_round_trip_directly_and_through_an_agent(cw, embedded):
     assert plain.turns[-1]["agent_id"] == llm.turns[-1]["agent_id"] and plain.turns[-1]["cached_tokens"] > 0
 
     # 3. With available_functions the call is executed here, as CrewAI's own LLMs do.
-    ran = []
+    ran: list[int] = []
+
+    def get_secret_word(**_: object) -> str:
+        ran.append(1)
+        return "kvshelf"
+
     T = cw.tool_events
     with Events(cw, T.ToolUsageFinishedEvent) as events:
-        out = llm.call(
-            messages, tools=tools, available_functions={"get_secret_word": lambda **_: ran.append(1) or "kvshelf"}
-        )
+        out = llm.call(messages, tools=tools, available_functions={"get_secret_word": get_secret_word})
     assert out == "kvshelf" and ran == [1] and events.of(T.ToolUsageFinishedEvent)[0].tool_name == "get_secret_word"
     assert llm.turns[-1]["cached_tokens"] > 0  # same prompt again: served from the cache
 

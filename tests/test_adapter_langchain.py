@@ -13,17 +13,17 @@ from typing import Any
 
 import pytest
 from langchain.agents import create_agent
-from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, ToolMessage
-from langchain_core.runnables import RunnableLambda
+from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage, HumanMessage, SystemMessage, ToolMessage
+from langchain_core.runnables import RunnableConfig, RunnableLambda
 from langchain_core.tools import tool
-from langchain_env import offline_langchain_env
-from servers import ServerThread
 
-from kvshelf.adapters.backend import shared_engine
+from kvshelf.adapters.backend import LocalBackend, shared_engine
 from kvshelf.adapters.identity import agent_key, fallback_key
 from kvshelf.adapters.langchain import ChatKVShelf
 from kvshelf.runtime.engine import Engine
 from kvshelf.serving.server import create_app
+from tests.support.langchain_env import offline_langchain_env
+from tests.support.servers import ServerThread
 
 SYSTEM = "You are a member of a small research team. Answer in one short sentence."
 QUESTION = "What is a cache?"
@@ -63,6 +63,12 @@ def cached(message: Any) -> int:
     return message.usage_metadata["input_token_details"]["cache_read"]
 
 
+def local_engine(llm: ChatKVShelf) -> Engine:
+    """The in-process engine behind a model made without ``base_url``."""
+    assert isinstance(llm.backend, LocalBackend)
+    return llm.backend.engine
+
+
 # -- agents: own caches, prefix reuse, streaming, tools, both modes -------------------------
 def test_create_agent_agents_get_their_own_caches_and_reuse_them(mode):
     name, where = mode
@@ -93,6 +99,8 @@ def test_streaming_through_a_langgraph_agent(mode):
     full = chunks[0]
     for chunk in chunks[1:]:
         full = full + chunk
+    assert isinstance(full, AIMessageChunk)  # the model's tokens, summed
+    assert full.usage_metadata is not None
     assert full.text and ext(full)["agent_id"] == f"streamer-{name}"  # identity from the graph's metadata
     assert full.usage_metadata["output_tokens"] >= 1 and full.response_metadata["finish_reason"] in ("stop", "length")
     # the model's own stream (and astream) carry the same fields
@@ -114,7 +122,7 @@ def test_tool_call_round_trip(mode):
     # A 270M model rarely calls a tool on its own, so the call is forced by name. Its
     # arguments are not to be trusted (it tends to copy the schema), hence the default city.
     call = llm.bind_tools([get_weather], tool_choice="get_weather").invoke(question)
-    assert call.response_metadata["finish_reason"] == "tool_calls"
+    assert call.response_metadata["finish_reason"] == "tool_calls" and call.usage_metadata is not None
     assert [c["name"] for c in call.tool_calls] == ["get_weather"] and call.tool_calls[0]["id"]
     result = get_weather.invoke(call.tool_calls[0])
     assert isinstance(result, ToolMessage) and result.tool_call_id == call.tool_calls[0]["id"]
@@ -146,7 +154,7 @@ def who(message: Any) -> str:
 
 def test_identity_bound_and_instance_ids_come_first(tiny):
     llm = ChatKVShelf(engine=tiny, max_tokens=1, agent_id="inst")
-    meta = {"metadata": {"agent_id": "meta", "lc_agent_name": "named"}}
+    meta: RunnableConfig = {"metadata": {"agent_id": "meta", "lc_agent_name": "named"}}
     assert who(llm.invoke(MESSAGES, config=meta)) == "inst"
     assert who(llm.bind(agent_id="bound").invoke(MESSAGES, config=meta)) == "bound"  # bound beats instance
     assert who(llm.invoke(MESSAGES, agent_id="kw")) == "kw"
@@ -154,24 +162,28 @@ def test_identity_bound_and_instance_ids_come_first(tiny):
 
 def test_identity_from_run_metadata_in_invoke_and_stream(tiny):
     llm = ChatKVShelf(engine=tiny, max_tokens=1)
-    both = {"metadata": {"lc_agent_name": "named", "agent_id": "meta"}}
+    both: RunnableConfig = {"metadata": {"lc_agent_name": "named", "agent_id": "meta"}}
     assert who(llm.invoke(MESSAGES, config=both)) == "meta"  # agent_id before lc_agent_name
     assert who(llm.invoke(MESSAGES, config={"metadata": {"lc_agent_name": "named"}})) == "named"
     assert who(list(llm.stream(MESSAGES, config=both))[-1]) == "meta"  # stream() gives _stream no run manager
     # the call's own metadata beats what surrounds it
-    outer = RunnableLambda(lambda m: llm.invoke(m, config={"metadata": {"agent_id": "inner"}}))
+
+    def inner(messages: list[BaseMessage]) -> AIMessage:
+        return llm.invoke(messages, config={"metadata": {"agent_id": "inner"}})
+
+    outer = RunnableLambda(inner)
     assert who(outer.invoke(MESSAGES, config={"metadata": {"agent_id": "outer"}})) == "inner"
 
 
 def test_identity_from_the_ambient_config(tiny):
     llm = ChatKVShelf(engine=tiny, max_tokens=1)
 
-    def direct(messages: list) -> AIMessage:  # as a wrapper that calls the model's _generate would
+    def direct(messages: list) -> BaseMessage:  # as a wrapper that calls the model's _generate would
         return llm._generate(messages).generations[0].message
 
     around = RunnableLambda(direct)
     assert who(around.invoke(MESSAGES, config={"metadata": {"lc_agent_name": "amb-name"}})) == "amb-name"
-    both = {"metadata": {"lc_agent_name": "amb-name", "agent_id": "amb-id"}}
+    both: RunnableConfig = {"metadata": {"lc_agent_name": "amb-name", "agent_id": "amb-id"}}
     assert who(around.invoke(MESSAGES, config=both)) == "amb-id"
 
 
@@ -199,14 +211,14 @@ def test_identity_falls_back_to_the_system_text_and_tools(tiny):
 def test_default_mode_shares_one_engine_and_restores_from_disk(tiny_dirs, tmp_path):
     model = str(tiny_dirs["llama"])
     llm = ChatKVShelf(model=model, cache_dir=str(tmp_path), max_tokens=3, agent_id="dora")
-    assert ChatKVShelf(model=model, cache_dir=str(tmp_path)).backend.engine is llm.backend.engine
-    assert llm.backend.engine is shared_engine(model, tmp_path)
+    assert local_engine(ChatKVShelf(model=model, cache_dir=str(tmp_path))) is local_engine(llm)
+    assert local_engine(llm) is shared_engine(model, tmp_path)
     first = llm.invoke(MESSAGES)
     assert ext(first)["cache"] == "cold"
-    llm.backend.engine.close()  # saves flushed; the next backend is a new engine on the same directory
+    local_engine(llm).close()  # saves flushed; the next backend is a new engine on the same directory
 
     again = ChatKVShelf(model=model, cache_dir=str(tmp_path), max_tokens=3, agent_id="dora")
-    assert again.backend.engine is not llm.backend.engine
+    assert local_engine(again) is not local_engine(llm)
     second = again.invoke([*MESSAGES, first, HumanMessage("And?")])
     assert ext(second)["cache"] == "warm" and cached(second) > 0
-    again.backend.engine.close()
+    local_engine(again).close()

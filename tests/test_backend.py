@@ -10,11 +10,11 @@ import asyncio
 from collections.abc import Iterator
 
 import pytest
-from servers import ServerThread
 
 from kvshelf.adapters.backend import BackendError, LocalBackend, RemoteBackend, connect, merge_chunks, shared_engine
 from kvshelf.runtime.engine import Engine
 from kvshelf.serving.server import create_app
+from tests.support.servers import ServerThread
 
 BODY = {
     "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello."}],
@@ -89,8 +89,10 @@ def test_errors_are_the_same_backend_error_in_both_modes(backends, agent, body, 
 def test_connect_shares_one_engine_per_model_and_cache_dir(tiny_dirs, tmp_path):
     a = connect(tiny_dirs["llama"], cache_dir=tmp_path)
     b = connect(tiny_dirs["llama"], cache_dir=tmp_path)
-    assert isinstance(a, LocalBackend) and a.engine is b.engine is shared_engine(tiny_dirs["llama"], tmp_path)
-    assert connect(tiny_dirs["llama"], cache_dir=tmp_path / "other").engine is not a.engine
+    assert isinstance(a, LocalBackend) and isinstance(b, LocalBackend)
+    assert a.engine is b.engine is shared_engine(tiny_dirs["llama"], tmp_path)
+    other = connect(tiny_dirs["llama"], cache_dir=tmp_path / "other")
+    assert isinstance(other, LocalBackend) and other.engine is not a.engine
 
 
 def test_fork_and_append_work_alike_in_both_modes(backends):
@@ -112,3 +114,32 @@ def test_fork_and_append_work_alike_in_both_modes(backends):
         assert backend.append(f"{tag}-child", later, background=True)["queued"] is True
         reply = backend.complete(f"{tag}-child", {**later, "max_tokens": 3, "temperature": 0})
         assert reply["usage"]["prompt_tokens_details"]["cached_tokens"] >= info["shared_tokens"]
+
+
+def test_local_and_remote_fill_a_missing_max_tokens_alike(tmp_path_factory):
+    """Without ``max_tokens`` both paths take GenerationParams' limit (the in-process one
+    used to stop at 512, the server at 2048). A model without EOS runs to its limit, so the
+    effective limit shows in ``completion_tokens`` and ``finish_reason``. To keep the test
+    short the model's context is 600 tokens: the default, cut to what the prompt leaves
+    (over 512), is reached on both paths; greedy decoding makes the two replies the same."""
+    from kvshelf.runtime.params import GenerationParams
+    from tests.support.tiny import make_tiny_model_dir
+
+    model = make_tiny_model_dir(
+        tmp_path_factory.mktemp("no-eos") / "llama", "llama", eos=False, max_position_embeddings=600
+    )
+    engine = Engine(model, tmp_path_factory.mktemp("no-eos-cache"), progress=False)
+    server = ServerThread(create_app(engine, close_engine=False))
+    remote = RemoteBackend(server.url + "/v1")
+    try:
+        body = {"messages": [{"role": "user", "content": "Go on."}]}  # no max_tokens, no temperature
+        replies = [backend.complete(None, body) for backend in (LocalBackend(engine), remote)]
+    finally:
+        remote.close()
+        server.stop()
+        engine.close()
+    room = engine.loaded.context_length - replies[0]["usage"]["prompt_tokens"]
+    assert 512 < room < GenerationParams().max_tokens
+    for reply in replies:
+        assert reply["usage"]["completion_tokens"] == room and reply["choices"][0]["finish_reason"] == "length"
+    assert replies[0]["choices"][0]["message"]["content"] == replies[1]["choices"][0]["message"]["content"]

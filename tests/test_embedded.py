@@ -9,7 +9,6 @@ from __future__ import annotations
 import heapq
 import json
 import math
-import time
 from pathlib import Path
 
 import mlx.core as mx
@@ -108,13 +107,11 @@ def test_directory_layout_and_config(model_dir):
 
 
 def test_second_call_reuses_directory(model_dir):
+    """Nothing is converted again: no file in the directory is added, removed or rewritten."""
     before = {p.name: p.stat().st_mtime_ns for p in model_dir.iterdir()}
-    start = time.perf_counter()
     again = embedded_model_dir(progress=False)
-    elapsed = time.perf_counter() - start
     assert again == model_dir
     assert {p.name: p.stat().st_mtime_ns for p in model_dir.iterdir()} == before
-    assert elapsed < 1.0, f"second call took {elapsed:.2f} s"
 
 
 # --- tokenizer -------------------------------------------------------------------
@@ -195,16 +192,20 @@ def _spm_reference(text: str, tokens: list[str], types: list[int], scores: list[
         unmerge: dict[str, tuple[str, str]] = {}
 
         def push(left: int, right: int) -> None:
-            if left >= 0 and right >= 0 and (joined := symbols[left] + symbols[right]) in vocab:
+            if left < 0 or right < 0:
+                return
+            a, b = symbols[left], symbols[right]
+            if a is not None and b is not None and (joined := a + b) in vocab:
                 heapq.heappush(heap, (-scores[vocab[joined]], left, joined, right))
 
         for i in range(len(symbols) - 1):
             push(i, i + 1)
         while heap:
             _, left, joined, right = heapq.heappop(heap)
-            if symbols[left] is None or symbols[right] is None or symbols[left] + symbols[right] != joined:
+            a, b = symbols[left], symbols[right]
+            if a is None or b is None or a + b != joined:
                 continue
-            unmerge[joined] = (symbols[left], symbols[right])
+            unmerge[joined] = (a, b)
             symbols[left], symbols[right] = joined, None
             nxt[left] = nxt[right]
             if nxt[right] >= 0:
@@ -223,7 +224,9 @@ def _spm_reference(text: str, tokens: list[str], types: list[int], scores: list[
 
         i = 0
         while i != -1:
-            emit(symbols[i])
+            symbol = symbols[i]
+            assert symbol is not None  # the chain of nxt links only visits symbols that survived the merges
+            emit(symbol)
             i = nxt[i]
     return ids
 
@@ -260,7 +263,7 @@ def test_greedy_continuation(model, tokenizer):
     logits = model(mx.array([ids]), cache=cache)
     out: list[int] = []
     for _ in range(8):
-        out.append(int(mx.argmax(logits[0, -1]).item()))
+        out.append(int(mx.argmax(logits[0, -1])))
         logits = model(mx.array([out[-1:]]), cache=cache)
     text = tokenizer.decode(out)
     print(f"greedy: {text!r}")
@@ -279,7 +282,7 @@ def test_perplexity_is_sane(model, tokenizer):
         targets = ids[start + 1 : start + chunk + 1]
         logits = logits[: len(targets)]
         picked = mx.take_along_axis(logits, mx.array(targets)[:, None], axis=-1)[:, 0]
-        nll += mx.sum(mx.logsumexp(logits, axis=-1) - picked).item()
+        nll += float(mx.sum(mx.logsumexp(logits, axis=-1) - picked))
         count += len(targets)
     perplexity = math.exp(nll / count)
     print(f"perplexity over {n} tokens: {perplexity:.2f}")

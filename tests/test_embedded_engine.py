@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import continue_in_new_process
 
 from kvshelf.runtime.engine import Engine
+from tests.support.subprocesses import continue_in_new_process
 
 pytestmark = pytest.mark.embedded
 

@@ -6,10 +6,11 @@ import textwrap
 
 import numpy as np
 import pytest
-from conftest import continue_in_new_process, run_in_subprocess
 
 from kvshelf.errors import InvalidAgentId
 from kvshelf.runtime.engine import Engine
+from kvshelf.runtime.results import ChatResult
+from tests.support.subprocesses import continue_in_new_process, run_in_subprocess
 
 KINDS = ["llama", "gemma3_text", "deepseek_v2"]
 LONG = " ".join(f"fact {i}: the sky was {['blue', 'grey', 'red'][i % 3]} on day {i}." for i in range(30))
@@ -68,7 +69,7 @@ def test_divergence_cuts_back_and_matches_fresh_computation(kind, tiny_dirs, tmp
     warm.chat("carol", first, max_tokens=6)
     r = warm.chat("carol", edited, max_tokens=8)
     ref = fresh.chat("carol", edited, max_tokens=8)
-    encode = lambda m: warm.tokenizer.encode_prompt(warm.loaded.template.render(m))  # noqa: E731
+    encode = lambda m: warm.loaded.tokenizer.encode_prompt(warm.loaded.template.render(m))  # noqa: E731
     first_ids, edited_ids = encode(first), encode(edited)
     common = next(i for i, (a, b) in enumerate(zip(first_ids, edited_ids)) if a != b)
     assert r.usage.cached_tokens == common
@@ -83,7 +84,8 @@ def test_sliding_window_rewind_and_recompute(tiny_dirs, tmp_path):
     fresh = Engine(model=tiny_dirs["gemma3_text"], cache_dir=tmp_path / "b", prefill_chunk=1)
     text = LONG[:560]
     warm.chat("dan", convo_of(text), max_tokens=4)
-    cache = warm.pool.get("dan")
+    cache = warm._shelf.pool.get("dan")
+    assert cache is not None
     for layer in cache.layers:
         if layer.window is not None:  # bounded: the window, one slack block, block rounding
             assert layer.offset > 600 and layer.start > 0 and layer.used <= layer.window + 2 * 256
@@ -115,20 +117,24 @@ def test_agents_are_isolated(tiny_dirs, tmp_path):
 def test_budget_spills_lru_agents_and_restores_them(tiny_dirs, tmp_path):
     unbounded = Engine(model=tiny_dirs["llama"], cache_dir=tmp_path / "u")
     unbounded.chat("g0", convo(" agent 0"), max_tokens=5)
-    per_agent = unbounded.pool.get("g0").nbytes
+    g0 = unbounded._shelf.pool.get("g0")
+    assert g0 is not None
+    per_agent = g0.nbytes
     engine = Engine(model=tiny_dirs["llama"], cache_dir=tmp_path / "b", budget=int(per_agent * 2.5))
+    budget = engine._shelf.pool.budget
+    assert budget is not None
     replies = {}
     for i in range(4):
         replies[f"g{i}"] = engine.chat(f"g{i}", convo(f" agent {i}"), max_tokens=5)
-        assert engine.pool.resident_bytes <= engine.pool.budget
-    assert "g0" not in engine.pool and "g3" in engine.pool
+        assert engine._shelf.pool.resident_bytes <= budget
+    assert "g0" not in engine._shelf.pool and "g3" in engine._shelf.pool
     msgs = follow_up(convo(" agent 0"), replies["g0"].text, "next?")
     r = engine.chat("g0", msgs, max_tokens=5)
     assert r.cache == "warm" and r.usage.cached_tokens > 0
     ref = Engine(model=tiny_dirs["llama"], cache_dir=tmp_path / "r")
     ref.chat("g0", convo(" agent 0"), max_tokens=5)
     assert r.token_ids == ref.chat("g0", msgs, max_tokens=5).token_ids
-    assert engine.pool.resident_bytes <= engine.pool.budget
+    assert engine._shelf.pool.resident_bytes <= budget
 
 
 @pytest.mark.parametrize("bad", ["", "../etc/passwd", "a/b", "x" * 300, "naïve", None, 5])
@@ -146,23 +152,23 @@ def test_corrupt_and_foreign_records_are_quarantined_and_recomputed(tiny_dirs, t
     engine = Engine(model=tiny_dirs["llama"], cache_dir=tmp_path)
     first = engine.chat("hana", convo(), max_tokens=6)
     engine.flush()  # saves are written behind; wait for the record
-    path = engine.store.path_for("hana")
+    path = engine._shelf.store.path_for("hana")
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 0xFF
     path.write_bytes(bytes(data))
     restarted = Engine(model=tiny_dirs["llama"], cache_dir=tmp_path)
     r = restarted.chat("hana", convo(), max_tokens=6)
     assert r.cache == "cold" and r.token_ids == first.token_ids
-    assert len(list(restarted.store.quarantine_dir.glob("*.safetensors"))) == 1
+    assert len(list(restarted._shelf.store.quarantine_dir.glob("*.safetensors"))) == 1
     # a record written by another model (same geometry, other weights) is never used
     other = Engine(model=tiny_dirs["gemma3_text"], cache_dir=tmp_path)
     other.chat("ivan", convo(), max_tokens=3)
     other.flush()
-    foreign = other.store.path_for("ivan")
-    (restarted.store.path_for("ivan")).write_bytes(foreign.read_bytes())
+    foreign = other._shelf.store.path_for("ivan")
+    (restarted._shelf.store.path_for("ivan")).write_bytes(foreign.read_bytes())
     r = restarted.chat("ivan", convo(), max_tokens=3)
     assert r.cache == "cold"
-    assert len(list(restarted.store.quarantine_dir.glob("*.safetensors"))) == 2
+    assert len(list(restarted._shelf.store.quarantine_dir.glob("*.safetensors"))) == 2
 
 
 def test_forget_erases_ram_and_disk(tiny_dirs, tmp_path):
@@ -171,8 +177,8 @@ def test_forget_erases_ram_and_disk(tiny_dirs, tmp_path):
     engine.chat("kim", convo(), max_tokens=3)
     engine.flush()
     removed = engine.forget("jo")
-    assert removed["ram_bytes_freed"] > 0 and removed["files_removed"]
-    assert not engine.store.path_for("jo").exists() and engine.store.path_for("kim").exists()
+    assert removed.ram_bytes_freed > 0 and removed.files_removed
+    assert not engine._shelf.store.path_for("jo").exists() and engine._shelf.store.path_for("kim").exists()
     assert [a.agent_id for a in engine.agents()] == ["kim"]
     assert engine.chat("jo", convo(), max_tokens=3).cache == "cold"
 
@@ -199,7 +205,7 @@ def test_two_processes_on_one_cache_dir(tiny_dirs, tmp_path):
     engine = Engine(model=tiny_dirs["llama"], cache_dir=tmp_path)
     for aid in ("shared-1", "shared-2"):
         assert engine.chat(aid, [{"role": "user", "content": "round 5     "}], max_tokens=3).cache == "warm"
-    assert not list(engine.store.quarantine_dir.glob("*.safetensors"))
+    assert not list(engine._shelf.store.quarantine_dir.glob("*.safetensors"))
 
 
 def test_stop_strings_and_streaming(tiny_dirs, tmp_path):
@@ -211,7 +217,8 @@ def test_stop_strings_and_streaming(tiny_dirs, tmp_path):
     assert r.finish_reason == "stop" and stop not in r.text and full.text.startswith(r.text)
     chunks = list(engine.stream("lee", convo(), max_tokens=20))
     assert "".join(c for c in chunks if isinstance(c, str)) == full.text
-    assert chunks[-1].text == full.text
+    last = chunks[-1]
+    assert isinstance(last, ChatResult) and last.text == full.text
 
 
 def test_async_twins_match_sync(tiny_dirs, tmp_path):
@@ -243,16 +250,17 @@ def test_records_name_their_kv_scheme(tiny_dirs, tmp_path):
     ref.chat("olga", convo(), max_tokens=6)
     expected = ref.chat("olga", follow, max_tokens=6)
     default = Engine(model=tiny_dirs["gemma3_text"], cache_dir=tmp_path)
-    assert default.scheme.name != "q4-g64-per-token-v1"
+    assert default.kv_scheme.name != "q4-g64-per-token-v1"
     r = default.chat("olga", follow, max_tokens=6)
     assert r.cache == "warm" and r.token_ids == expected.token_ids
     # forge a record that claims a scheme this build does not know
     default.flush()
-    record = default.store.load("olga")
+    record = default._shelf.store.load("olga")
+    assert record is not None
     record.meta["scheme"] = "q3-future-scheme"
-    default.store.save("olga", CacheRecord(record.tokens, record.tensors, record.meta))
+    default._shelf.store.save("olga", CacheRecord(record.tokens, record.tensors, record.meta))
     default.evict("olga")
     again = Engine(model=tiny_dirs["gemma3_text"], cache_dir=tmp_path)
     assert again.chat("olga", follow, max_tokens=6).cache == "cold"
-    reasons = [p.read_text() for p in again.store.quarantine_dir.glob("*.reason")]
+    reasons = [p.read_text() for p in again._shelf.store.quarantine_dir.glob("*.reason")]
     assert any("q3-future-scheme" in text for text in reasons)

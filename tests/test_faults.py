@@ -1,7 +1,7 @@
 """Nothing lost, nothing leaked: crashes, a full disk, two servers on one directory, erasure.
 
 All on tiny random-weight models (tests/tiny.py) and real processes, files and
-filesystems: the crash rounds SIGKILL a real child (tests/crashkit.py; the 50-round
+filesystems: the crash rounds SIGKILL a real child (tests/support/crashkit.py; the 50-round
 version is benchmarks/crash.py), the full disk is a real tmpfs, and the first server on
 a directory is a real ``kvshelf serve`` process.
 """
@@ -24,25 +24,41 @@ from pathlib import Path
 
 import httpx
 import pytest
-from crashkit import KILL_MODES, Ledger, crash_once, warm_restore_check
-from servers import wait_up
-from tiny import make_tiny_model_dir
 
 import kvshelf  # noqa: F401  (OpenBLAS before mlx)
+from tests.support.crashkit import KILL_MODES, Ledger, crash_once, warm_restore_check
+from tests.support.servers import wait_up
+from tests.support.tiny import make_tiny_model_dir
 
 pytest.importorskip("fastapi")
 from starlette.testclient import TestClient  # noqa: E402
 
-from kvshelf.kv.agent_cache import common_prefix_length  # noqa: E402
+from kvshelf.kv.agent_cache import AgentCache, common_prefix_length  # noqa: E402
+from kvshelf.kv.record import CacheRecord  # noqa: E402
 from kvshelf.runtime.engine import Engine  # noqa: E402
 from kvshelf.serving.server import create_app, serve  # noqa: E402
 from kvshelf.storage import exclusive  # noqa: E402
 from kvshelf.storage import records as store_module  # noqa: E402
+from kvshelf.storage.agent_id import AgentId  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory) -> Path:
     return make_tiny_model_dir(tmp_path_factory.mktemp("faults-model") / "llama", "llama")
+
+
+def resident(engine: Engine, aid: str) -> AgentCache:
+    """The agent's cache in RAM, where the test's last turn left it."""
+    cache = engine._shelf.pool.get(aid)
+    assert cache is not None
+    return cache
+
+
+def on_disk(engine: Engine, aid: str) -> CacheRecord:
+    """The agent's record, which the test knows was saved."""
+    record = engine._shelf.store.load(aid)
+    assert record is not None
+    return record
 
 
 def ask(client: TestClient, agent: str, content: str, **extra) -> dict:
@@ -68,7 +84,7 @@ def test_durable_engine_answers_once_the_turn_is_on_disk(llama, tmp_path):
     engine = Engine(model=llama, cache_dir=tmp_path, durable=True, progress=False)
     r = engine.chat("dee", [{"role": "user", "content": "hello"}], max_tokens=3)
     # nothing was flushed: the answer itself waited for the save
-    assert r.saved is True and engine.store.token_count("dee") == len(engine.pool.get("dee").tokens)
+    assert r.saved is True and engine._shelf.store.token_count("dee") == len(resident(engine, "dee").tokens)
     assert (
         Engine(model=llama, cache_dir=tmp_path, progress=False)
         .chat("x", [{"role": "user", "content": "a"}], max_tokens=1)
@@ -114,9 +130,9 @@ def test_full_disk_save_fails_clearly_serving_goes_on_and_the_save_is_retried(
     client = TestClient(create_app(engine, close_engine=False))
     first = ask(client, "fay", "Remember the number 42.")
     assert first["kvshelf"]["saved"] is True
-    path = engine.store.path_for("fay")
+    path = engine._shelf.store.path_for("fay")
     good = path.read_bytes()
-    good_tokens = engine.store.load("fay").tokens
+    good_tokens = on_disk(engine, "fay").tokens
 
     if small_disk is not None:
         filler = fill(small_disk)
@@ -137,22 +153,22 @@ def test_full_disk_save_fails_clearly_serving_goes_on_and_the_save_is_retried(
     third = ask(client, "fay", "Remember the number 42. And 43? And 44?")
     assert third["kvshelf"]["cache"] == "hot" and third["kvshelf"]["saved"] is False
     assert third["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
-    assert "fay" in engine.unsaved
+    assert "fay" in engine._shelf.unsaved
     assert not [p for p in path.parent.iterdir() if p.name.endswith(".tmp")]  # failed writes cleaned up
 
     if small_disk is not None:
         filler.unlink()
     else:
         monkeypatch.undo()
-    in_ram = list(engine.pool.get("fay").tokens)
+    in_ram = list(resident(engine, "fay").tokens)
     deadline = time.monotonic() + 60  # retries back off from 1 s; nobody calls flush()
-    while engine.store.token_count("fay") != len(in_ram):
+    while engine._shelf.store.token_count("fay") != len(in_ram):
         assert time.monotonic() < deadline, "the failed save was never retried"
         time.sleep(0.1)
-    assert engine.unsaved == set() and engine.flush() == []
+    assert engine._shelf.unsaved == set() and engine.flush() == []
     engine.close()
     restarted = Engine(model=llama, cache_dir=root, progress=False)
-    assert restarted.store.load("fay").tokens == in_ram  # the third turn, written by a retry
+    assert on_disk(restarted, "fay").tokens == in_ram  # the third turn, written by a retry
     fourth = [{"role": "user", "content": "Remember the number 42. And 43? And 44? 45?"}]
     again = restarted.chat("fay", fourth, max_tokens=2)
     reusable = common_prefix_length(in_ram, restarted._encode(fourth))
@@ -221,8 +237,8 @@ def test_a_second_server_on_the_same_directory_refuses_to_start(llama, tmp_path)
         first.wait()
     # however a server dies, the kernel drops its lock: the next one may start
     engine = Engine(model=llama, cache_dir=tmp_path, progress=False)
-    exclusive.claim(engine.store.directory).close()
-    assert engine.store.token_count("sam") > 0
+    exclusive.claim(engine._shelf.store.directory).close()
+    assert engine._shelf.store.token_count("sam") > 0
     engine.close()
 
 
@@ -233,7 +249,7 @@ def test_delete_erases_every_file_block_and_byte_of_the_agent(llama, tmp_path):
     for agent in ("zed", "zed2", "zed.b"):  # neighbours whose names start the same
         ask(client, agent, f"I am {agent}.")
     ask(client, "zed", "I am zed. More.")
-    store = engine.store
+    store = engine._shelf.store
     # leftovers only a crash or a corrupt record leave: a young temp and a quarantined record
     temp = store.directory / f".zed.{'c' * 32}.tmp"
     temp.write_bytes(b"half a record of zed")
@@ -242,7 +258,7 @@ def test_delete_erases_every_file_block_and_byte_of_the_agent(llama, tmp_path):
     store.path_for("zed").write_bytes(good[:-100])  # torn: quarantined on the next load
     assert ask(client, "zed", "I am zed. More.")["kvshelf"]["cache"] == "cold"
     assert len(list(store.quarantine_dir.glob("zed.*"))) == 2  # the record and its reason
-    cache = engine.pool.get("zed")
+    cache = resident(engine, "zed")
     blocks = weakref.ref(cache)
     arrays = [weakref.ref(a) for a in cache.arrays()]
     assert arrays
@@ -257,19 +273,23 @@ def test_delete_erases_every_file_block_and_byte_of_the_agent(llama, tmp_path):
     left = [p for p in tmp_path.rglob("*") if zeds.fullmatch(p.name)]
     assert left == [], left
     assert blocks() is None and all(a() is None for a in arrays)  # no block of it is held anywhere
-    assert "zed" not in engine.pool and "zed" not in engine.pool.last_used and "zed" not in engine.unsaved
-    assert "zed" not in engine._scheduler._saves and not engine._scheduler.busy("zed")
+    assert (
+        "zed" not in engine._shelf.pool
+        and "zed" not in engine._shelf.pool.last_used
+        and "zed" not in engine._shelf.unsaved
+    )
+    assert "zed" not in engine._shelf._saves and not engine._shelf.lent(AgentId("zed"))
     assert client.get("/v1/agents/zed").status_code == 404
     assert client.delete("/v1/agents/zed").status_code == 404
     assert "zed" not in {a["id"] for a in client.get("/v1/agents").json()["data"]}
     for agent in ("zed2", "zed.b"):
-        assert store.path_for(agent).exists() and agent in engine.pool
+        assert store.path_for(agent).exists() and agent in engine._shelf.pool
     assert ask(client, "zed", "I am zed. More.")["kvshelf"]["cache"] == "cold"  # nothing came back
 
     # an agent known only by a quarantined record is still erasable
     assert engine.evict("zed")
     store.path_for("zed").write_bytes(b"garbage")
-    assert engine.load_record("zed") is None  # quarantined, so no longer listed
+    assert engine._shelf.load(AgentId("zed")) is None  # quarantined, so no longer listed
     assert client.get("/v1/agents/zed").status_code == 404
     r = client.delete("/v1/agents/zed")
     assert r.status_code == 200 and any(n.endswith(".reason") for n in r.json()["files_removed"])
@@ -284,22 +304,24 @@ def test_erasing_forked_agents_releases_their_shared_prefix(llama, tmp_path):
     engine.fork("fz-seed", "fz-1")
     engine.fork("fz-seed", "fz-2")
     assert engine.flush() == []
-    [pid] = engine.shared.on_disk()
-    assert engine.shared.users(pid) == ["fz-1", "fz-2", "fz-seed"]
-    [prefix] = engine.shared.resident()
+    [pid] = engine._shelf.shared.on_disk()
+    assert engine._shelf.shared.users(pid) == ["fz-1", "fz-2", "fz-seed"]
+    [prefix] = engine._shelf.shared.resident()
     held = weakref.ref(prefix)
     del prefix
 
     r = client.delete("/v1/agents/fz-1")
     assert r.status_code == 200 and "fz-1" in r.json()["files_removed"]  # its marker on the prefix
-    assert engine.shared.users(pid) == ["fz-2", "fz-seed"] and engine.shared.on_disk() == [pid]  # still in use
+    assert engine._shelf.shared.users(pid) == ["fz-2", "fz-seed"] and engine._shelf.shared.on_disk() == [
+        pid
+    ]  # still in use
     assert not [p for p in tmp_path.rglob("*") if p.name.startswith(("fz-1.", ".fz-1.")) or p.name == "fz-1"]
     for agent in ("fz-seed", "fz-2"):
         assert client.delete(f"/v1/agents/{agent}").status_code == 200
     gc.collect()
-    assert engine.shared.on_disk() == [] and engine.shared.users(pid) == []
+    assert engine._shelf.shared.on_disk() == [] and engine._shelf.shared.users(pid) == []
     assert not [p for p in tmp_path.rglob("*") if p.is_file() and not p.name.startswith(".server")], list(
         tmp_path.rglob("*")
     )  # not a record, lock, marker or prefix file is left
-    assert held() is None and engine.shared.resident() == []  # nor its blocks in RAM
+    assert held() is None and engine._shelf.shared.resident() == []  # nor its blocks in RAM
     engine.close()

@@ -12,17 +12,26 @@ import threading
 
 import numpy as np
 import pytest
-from conftest import continue_in_new_process
 
-from kvshelf.runtime.engine import AgentExists, Engine, UnknownAgent
+from kvshelf.errors import AgentExists, UnknownAgent
+from kvshelf.kv.agent_cache import AgentCache
+from kvshelf.runtime.engine import Engine
+from tests.support.subprocesses import continue_in_new_process
 
 PREAMBLE = [{"role": "system", "content": "You are one of four careful planners sharing this brief. " * 12}]
 ASK = PREAMBLE + [{"role": "user", "content": "What should we do first?"}]
 LATER = ASK + [{"role": "assistant", "content": "Survey."}, {"role": "user", "content": "And then?"}]
 
 
+def resident(engine: Engine, aid: str) -> AgentCache:
+    """The agent's cache in RAM, where the test has just put it."""
+    cache = engine._shelf.pool.get(aid)
+    assert cache is not None
+    return cache
+
+
 def shared_dir(engine: Engine):
-    return engine.shared.directory
+    return engine._shelf.shared.directory
 
 
 @pytest.mark.parametrize("kind", ["llama", "gemma3_text", "deepseek_v2"])
@@ -30,7 +39,7 @@ def test_a_fork_is_bit_identical_to_prefilling_the_prefix_itself(tiny_dirs, tmp_
     engine = Engine(tiny_dirs[kind], tmp_path, prefill_chunk=64, progress=False)
     engine.prefill("seed", PREAMBLE)
     info = engine.fork("seed", "forked")
-    assert info["shared_tokens"] >= 256 and info["shared_tokens"] % 256 == 0
+    assert info.shared_tokens >= 256 and info.shared_tokens % 256 == 0
     engine.prefill("self", PREAMBLE)  # the same prefix, computed the same way, unshared
     assert np.array_equal(engine.prefill("forked", ASK), engine.prefill("self", ASK))
     forked, alone = engine.chat("forked", LATER, max_tokens=12), engine.chat("self", LATER, max_tokens=12)
@@ -54,17 +63,18 @@ def test_shared_blocks_are_stored_once_in_ram_and_on_disk(tiny_dirs, tmp_path):
         engine.fork("seed", name)
     engine.prefill("alone", PREAMBLE)
     engine.flush()
-    caches = [engine.pool.get(n) for n in ("seed", "a", "b", "c")]
+    caches = [resident(engine, n) for n in ("seed", "a", "b", "c")]
     prefix = caches[0].shared
     assert prefix is not None and all(c.shared is prefix for c in caches)
     for layer in range(len(caches[0].layers)):
         assert len({id(c.layers[layer].base) for c in caches}) == 1
-    alone = engine.pool.get("alone").nbytes
+    alone = resident(engine, "alone").nbytes
     assert all(c.nbytes < alone for c in caches)  # each holds only its own, partial block
-    assert engine.pool.resident_bytes == alone + sum(c.nbytes for c in caches) + prefix.nbytes
+    assert engine._shelf.pool.resident_bytes == alone + sum(c.nbytes for c in caches) + prefix.nbytes
     files = sorted(p.name for p in shared_dir(engine).glob("*.safetensors"))
     assert files == [f"{prefix.id}.safetensors"]
-    assert engine.shared.users(prefix.id) == ["a", "b", "c", "seed"]
+    assert engine._shelf.shared.users(prefix.id) == ["a", "b", "c", "seed"]
+    assert engine.shared_prefixes() == {prefix.id: ["a", "b", "c", "seed"]}  # the same, through the public API
     disk = {a.agent_id: a.disk_bytes for a in engine.agents()}
     assert all(disk[n] < disk["alone"] for n in ("seed", "a", "b", "c"))
     engine.close()
@@ -73,24 +83,25 @@ def test_shared_blocks_are_stored_once_in_ram_and_on_disk(tiny_dirs, tmp_path):
 def test_erasing_removes_only_what_is_the_agents_own_and_the_prefix_goes_with_its_last_user(tiny_dirs, tmp_path):
     engine = Engine(tiny_dirs["gemma3_text"], tmp_path, prefill_chunk=64, progress=False)
     engine.prefill("seed", PREAMBLE)
-    pid = engine.fork("seed", "a")["shared_prefix"]
+    pid = engine.fork("seed", "a").shared_prefix
+    assert pid is not None
     engine.fork("seed", "b")
     before = engine.prefill("b", ASK)
     prefix_file = shared_dir(engine) / f"{pid}.safetensors"
 
     removed = engine.forget("a")
-    names = {p.split("/")[-1] for p in removed["files_removed"]}
+    names = {p.split("/")[-1] for p in removed.files_removed}
     assert names == {"a.safetensors", "a.lock", "a"} and prefix_file.exists()
     engine.forget("seed")
-    assert prefix_file.exists() and engine.shared.users(pid) == ["b"]
+    assert prefix_file.exists() and engine._shelf.shared.users(pid) == ["b"]
     engine.close()
 
     again = Engine(tiny_dirs["gemma3_text"], tmp_path, prefill_chunk=64, progress=False)
     assert np.array_equal(again.prefill("b", ASK), before)  # b still restores through the prefix
     with pytest.raises(UnknownAgent):
         again.fork("a", "z")
-    removed = again.forget("b")["files_removed"]
-    assert str(prefix_file) in removed and not prefix_file.exists()
+    removed_files = again.forget("b").files_removed
+    assert str(prefix_file) in removed_files and not prefix_file.exists()
     assert not list(shared_dir(again).iterdir()) and again.agents() == []
     again.close()
     del again
@@ -107,7 +118,7 @@ def test_forks_refuse_to_overwrite_and_survive_a_rewind_into_the_prefix(tiny_dir
     # "a" goes back into the shared blocks: it copies them, and nobody else changes
     short = [{"role": "system", "content": "Different."}, {"role": "user", "content": "Hi"}]
     engine.chat("a", short, max_tokens=4)
-    assert engine.pool.get("a").shared is None
+    assert resident(engine, "a").shared is None
     assert np.array_equal(engine.prefill("seed", ASK), seed_before)
     engine.close()
 
@@ -165,5 +176,5 @@ def test_prefill_ahead_from_many_threads_keeps_agents_apart(tiny_dirs, tmp_path)
         t.join()
     for name, fut in futures.items():
         fut.result(timeout=120)
-        assert engine.pool.get(name).tokens == engine._encode(histories[name])
+        assert resident(engine, name).tokens == engine._encode(histories[name])
     engine.close()

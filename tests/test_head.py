@@ -12,14 +12,14 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
-from conftest import run_in_subprocess
 from mlx_lm.models import llama
 from mlx_lm.models.cache import make_prompt_cache
-from tiny import CONFIGS, make_tiny_model_dir
 
 from kvshelf.model.head import ProjectedModel, dot_error_bound, greedy_is_certain, with_fast_head
 from kvshelf.model.loader import load
 from kvshelf.runtime.engine import Engine
+from tests.support.subprocesses import run_in_subprocess
+from tests.support.tiny import CONFIGS, make_tiny_model_dir
 
 PROMPT = [128, 72, 101, 108, 108, 111, 44, 32, 119, 111, 114, 108, 100, 33]
 KINDS = ["llama", "llama-untied", "gemma3_text", "gemma3_text-tied", "deepseek_v2"]
@@ -156,7 +156,7 @@ def test_an_architecture_that_does_more_than_project_keeps_its_own_call():
 
 def test_the_engine_decodes_through_the_fast_head(tiny_dirs, tmp_path):
     engine = Engine(model=tiny_dirs["gemma3_text"], cache_dir=tmp_path)
-    assert isinstance(engine.loaded.forward, ProjectedModel) and engine.model is engine.loaded.forward
+    assert isinstance(engine.loaded.forward, ProjectedModel) and engine._scheduler._model is engine.loaded.forward
     assert engine.loaded.model is engine.loaded.forward.inner  # spec and caches see the plain model
 
 

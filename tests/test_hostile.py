@@ -18,9 +18,9 @@ from urllib.parse import quote
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from tiny import make_tiny_model_dir
 
 import kvshelf  # noqa: F401  (OpenBLAS before mlx)
+from tests.support.tiny import make_tiny_model_dir
 
 pytest.importorskip("fastapi")
 from starlette.testclient import TestClient  # noqa: E402
@@ -47,7 +47,7 @@ def served(sandbox) -> Iterator[tuple[TestClient, Engine]]:
     engine.close()
     files = [p for p in sandbox.rglob("*") if p.is_file()]
     assert all(p.is_relative_to(sandbox / "cache") for p in files), files
-    names = [p.name for p in files if p.parent == engine.store.directory and not p.name.startswith(".")]
+    names = [p.name for p in files if p.parent == engine._shelf.store.directory and not p.name.startswith(".")]
     assert all(is_valid_agent_id(n.rsplit(".", 1)[0]) for n in names), names
 
 

@@ -26,21 +26,32 @@ def test_until_ends_a_reply_early_with_finish_reason_stop(tiny_dirs, tmp_path):
 
 
 def test_a_forced_tool_call_and_json_mode_end_where_their_object_closes():
+    from kvshelf.runtime.params import GenerationParams
     from kvshelf.serving.completions import prepare
     from kvshelf.serving.openai_api import ChatCompletionRequest
 
     tool = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
     base = {"messages": [{"role": "user", "content": "Weather in Paris?"}], "tools": [tool]}
+    forced = {"type": "function", "function": {"name": "get_weather"}}
     named = prepare(
-        ChatCompletionRequest(**base, tool_choice={"type": "function", "function": {"name": "get_weather"}}), None, 64
+        ChatCompletionRequest.model_validate({**base, "tool_choice": forced}), None, GenerationParams(max_tokens=64)
     )
     reply = ' {"city": "Paris"}}</tool_call> and more'
     assert named.options["until"](reply) == reply.index("}}") + 2
-    required = prepare(ChatCompletionRequest(**base, tool_choice="required"), None, 64)
+    required = prepare(
+        ChatCompletionRequest.model_validate({**base, "tool_choice": "required"}), None, GenerationParams(max_tokens=64)
+    )
     reply = 'get_weather", "arguments": {}} more'
     assert required.options["until"](reply) == reply.index("}}") + 2
-    assert "until" not in prepare(ChatCompletionRequest(**base), None, 64).options  # auto: may call several
+    assert (
+        "until"
+        not in prepare(ChatCompletionRequest.model_validate(base), None, GenerationParams(max_tokens=64)).options
+    )  # auto: may call several
     as_json = prepare(
-        ChatCompletionRequest(messages=base["messages"], response_format={"type": "json_object"}), None, 64
+        ChatCompletionRequest.model_validate(
+            {"messages": base["messages"], "response_format": {"type": "json_object"}}
+        ),
+        None,
+        GenerationParams(max_tokens=64),
     )
     assert as_json.options["until"]('"a": 1} done') == len('"a": 1}')

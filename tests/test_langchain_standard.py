@@ -16,16 +16,17 @@ file needs no ``asyncio_mode = "auto"`` and nothing changes for the rest of the 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Literal
 
 import pytest
+from langchain_core.language_models import BaseChatModel
 from langchain_core.messages import AIMessage, HumanMessage
-from langchain_env import offline_langchain_env
 from langchain_tests.integration_tests import ChatModelIntegrationTests
 from langchain_tests.unit_tests import ChatModelUnitTests
 
 from kvshelf.adapters.langchain import ChatKVShelf
 from kvshelf.runtime.engine import Engine
+from tests.support.langchain_env import offline_langchain_env
 
 # Every test gets pytest-asyncio's marker, so the inherited ``async def`` tests run without
 # ``asyncio_mode = "auto"`` (which would change the whole suite); sync tests ignore it.
@@ -96,6 +97,20 @@ _MAX_TOKENS = {
 }
 
 
+# Asked for a Joke object, the model answers with (a piece of) the Joke *schema*. Greedy
+# decoding makes that deterministic, so each variant's outcome is fixed and asserted: the
+# pydantic variant must fail (validation rejects the schema echo), the dict variants must
+# pass (they check the ``ls_structured_output_format`` kvshelf reports and that the result
+# is a dict; LangChain's JSON parser checks no keys). The suite forbids overriding its
+# tests except to mark them xfail, so these single cases are marked by tests/conftest.py
+# (strict). What kvshelf controls here (schema in the prompt, parse or raise) is tested on
+# a tiny model in test_langchain_contract.py.
+XFAIL_CASES = {
+    f"{name}[pydantic]": "270M model: writes the Joke JSON schema back instead of a joke"
+    for name in ("test_structured_output", "test_structured_output_async")
+}
+
+
 @pytest.mark.usefixtures("standard_engine")
 class TestChatKVShelfIntegration(ChatModelIntegrationTests):
     @property
@@ -125,7 +140,12 @@ class TestChatKVShelfIntegration(ChatModelIntegrationTests):
         return False  # one model per engine; a per-call ``model`` is accepted and ignored
 
     @property
-    def supported_usage_metadata_details(self) -> dict[str, list[str]]:
+    def supported_usage_metadata_details(
+        self,
+    ) -> dict[
+        Literal["invoke", "stream"],
+        list[Literal["audio_input", "audio_output", "reasoning_output", "cache_read_input", "cache_creation_input"]],
+    ]:
         return {"invoke": ["cache_read_input"], "stream": ["cache_read_input"]}
 
     def invoke_with_cache_read_input(self, *, stream: bool = False) -> AIMessage:
@@ -150,18 +170,18 @@ class TestChatKVShelfIntegration(ChatModelIntegrationTests):
         strict=True,
     )
     @pytest.mark.parametrize("model", [{}, {"output_version": "v1"}], indirect=True)
-    def test_tool_calling(self, model: ChatKVShelf) -> None:
+    def test_tool_calling(self, model: BaseChatModel) -> None:
         super().test_tool_calling(model)
 
     @pytest.mark.xfail(reason="270M model: invents the argument key ({'value': '3'}, not {'input': 3})", strict=True)
-    async def test_tool_calling_async(self, model: ChatKVShelf) -> None:
+    async def test_tool_calling_async(self, model: BaseChatModel) -> None:
         await super().test_tool_calling_async(model)
 
     @pytest.mark.xfail(
         reason="270M model: copies the tool's JSON schema into the arguments instead of choosing an answer_style",
         strict=True,
     )
-    def test_bind_runnables_as_tools(self, model: ChatKVShelf) -> None:
+    def test_bind_runnables_as_tools(self, model: BaseChatModel) -> None:
         super().test_bind_runnables_as_tools(model)
 
     @pytest.mark.xfail(
@@ -169,7 +189,7 @@ class TestChatKVShelfIntegration(ChatModelIntegrationTests):
         "'function_name' from the calling instructions instead of picking a tool",
         strict=True,
     )
-    def test_tool_choice(self, model: ChatKVShelf) -> None:
+    def test_tool_choice(self, model: BaseChatModel) -> None:
         super().test_tool_choice(model)
 
     @pytest.mark.xfail(
@@ -177,36 +197,15 @@ class TestChatKVShelfIntegration(ChatModelIntegrationTests):
         "'properties': {}}) as the arguments of a no-argument tool",
         strict=True,
     )
-    def test_tool_calling_with_no_arguments(self, model: ChatKVShelf) -> None:
+    def test_tool_calling_with_no_arguments(self, model: BaseChatModel) -> None:
         super().test_tool_calling_with_no_arguments(model)
 
-    # Asked for a Joke object, the model answers with (a piece of) the Joke *schema*. Only the
-    # pydantic variants fail: the standard test does not check the keys of a dict result, so
-    # the typeddict and json_schema variants pass with the same output (hence strict=False).
-    @pytest.mark.xfail(
-        reason="270M model: writes the Joke JSON schema back instead of a joke; fails for "
-        "schema_type='pydantic' only (dict results are not checked)",
-        strict=False,
-    )
-    @pytest.mark.parametrize("schema_type", ["pydantic", "typeddict", "json_schema"])
-    def test_structured_output(self, model: ChatKVShelf, schema_type: str) -> None:
-        super().test_structured_output(model, schema_type)  # type: ignore[arg-type]
-
-    @pytest.mark.xfail(
-        reason="270M model: writes the Joke JSON schema back instead of a joke; fails for "
-        "schema_type='pydantic' only (dict results are not checked)",
-        strict=False,
-    )
-    @pytest.mark.parametrize("schema_type", ["pydantic", "typeddict", "json_schema"])
-    async def test_structured_output_async(self, model: ChatKVShelf, schema_type: str) -> None:
-        await super().test_structured_output_async(model, schema_type)  # type: ignore[arg-type]
-
     @pytest.mark.xfail(reason="270M model: writes the Joke JSON schema back instead of a joke", strict=True)
-    def test_structured_output_pydantic_2_v1(self, model: ChatKVShelf) -> None:
+    def test_structured_output_pydantic_2_v1(self, model: BaseChatModel) -> None:
         super().test_structured_output_pydantic_2_v1(model)
 
     @pytest.mark.xfail(reason="270M model: writes the Joke JSON schema back instead of a joke", strict=True)
-    def test_structured_output_optional_param(self, model: ChatKVShelf) -> None:
+    def test_structured_output_optional_param(self, model: BaseChatModel) -> None:
         super().test_structured_output_optional_param(model)
 
     @pytest.mark.xfail(
@@ -214,7 +213,7 @@ class TestChatKVShelfIntegration(ChatModelIntegrationTests):
         "valid JSON with keys of its own ({'name': 'cat', 'version': ...})",
         strict=True,
     )
-    def test_json_mode(self, model: ChatKVShelf) -> None:
+    def test_json_mode(self, model: BaseChatModel) -> None:
         super().test_json_mode(model)
 
     @pytest.mark.xfail(
@@ -222,7 +221,7 @@ class TestChatKVShelfIntegration(ChatModelIntegrationTests):
         strict=True,
     )
     @pytest.mark.parametrize("model", [{}, {"output_version": "v1"}], indirect=True)
-    def test_agent_loop(self, model: ChatKVShelf) -> None:
+    def test_agent_loop(self, model: BaseChatModel) -> None:
         super().test_agent_loop(model)
 
     @pytest.mark.xfail(
@@ -231,6 +230,6 @@ class TestChatKVShelfIntegration(ChatModelIntegrationTests):
         strict=True,
     )
     def test_unicode_tool_call_integration(
-        self, model: ChatKVShelf, *, tool_choice: str | None = None, force_tool_call: bool = True
+        self, model: BaseChatModel, *, tool_choice: str | None = None, force_tool_call: bool = True
     ) -> None:
         super().test_unicode_tool_call_integration(model, tool_choice=tool_choice, force_tool_call=force_tool_call)

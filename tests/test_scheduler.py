@@ -3,17 +3,19 @@ requests are served in order, and a crash during a write-behind save loses nothi
 
 from __future__ import annotations
 
-import os
+import itertools
 import signal
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterable
 
 import pytest
-from conftest import TESTS_DIR
 
 from kvshelf.runtime.engine import Engine
+from kvshelf.runtime.results import ChatResult
+from tests.support import REPO_ROOT
 
 PROMPTS = {
     "ann": "Tell me about the river that runs past the old mill, and the people who lived there.",
@@ -25,6 +27,13 @@ PROMPTS = {
 
 def msgs(text: str) -> list[dict]:
     return [{"role": "system", "content": "You answer briefly."}, {"role": "user", "content": text}]
+
+
+def final(stream: Iterable[str | ChatResult]) -> ChatResult:
+    """Drain a stream: text chunks, then the ChatResult it must end with."""
+    last = list(stream)[-1]
+    assert isinstance(last, ChatResult)
+    return last
 
 
 def run_concurrently(engine: Engine, jobs: dict[str, tuple[str, int]]) -> dict:
@@ -71,23 +80,24 @@ def test_agents_join_a_running_batch(tiny_dirs, tmp_path):
     first = next(long_run)  # ann is decoding now
     assert isinstance(first, str)
     joined = engine.chat("ben", msgs(PROMPTS["ben"]), max_tokens=8)  # admitted between steps
-    rest = list(long_run)
+    rest = final(long_run)
     assert engine.stats["max_batch"] == 2
-    assert rest[-1].usage.completion_tokens == 60, "ann kept decoding while ben came and went"
+    assert rest.usage.completion_tokens == 60, "ann kept decoding while ben came and went"
     assert joined.token_ids == ref.chat("ben", msgs(PROMPTS["ben"]), max_tokens=8).token_ids
-    assert rest[-1].token_ids == ref.chat("ann", msgs(PROMPTS["ann"]), max_tokens=60).token_ids
+    assert rest.token_ids == ref.chat("ann", msgs(PROMPTS["ann"]), max_tokens=60).token_ids
 
 
 def test_one_agents_requests_are_served_in_arrival_order(tiny_dirs, tmp_path):
     engine = Engine(model=tiny_dirs["llama"], cache_dir=tmp_path)
     base = PROMPTS["cat"]
     streams = [engine.stream("cat", msgs(base + " more" * i), max_tokens=5) for i in range(3)]
-    done: dict[int, float] = {}
-    results: dict[int, object] = {}
+    finished = itertools.count()  # the order the streams end in (no clock: just a sequence)
+    done: dict[int, int] = {}
+    results: dict[int, ChatResult] = {}
 
     def consume(i: int) -> None:
-        results[i] = list(streams[i])[-1]
-        done[i] = time.perf_counter()
+        results[i] = final(streams[i])
+        done[i] = next(finished)
 
     threads = [threading.Thread(target=consume, args=(i,)) for i in (2, 1, 0)]
     for t in threads:
@@ -108,11 +118,11 @@ def test_long_prefill_does_not_stall_decoding_agents(tiny_dirs, tmp_path):
     before = dict(engine.stats)
     long_prompt = " ".join(PROMPTS.values()) * 8  # ~2K byte tokens: ~30 prefill chunks
     engine.chat("ann", msgs(long_prompt), max_tokens=2)
-    rest = list(decoding)
+    rest = final(decoding)
     # dov kept decoding between ann's prefill chunks: decode steps ran in between
     assert engine.stats["prefill_calls"] - before["prefill_calls"] >= 25
     assert engine.stats["decode_steps"] - before["decode_steps"] >= 25
-    assert rest[-1].usage.completion_tokens == 40
+    assert rest.usage.completion_tokens == 40
 
 
 CRASH_LOOP = """
@@ -131,19 +141,19 @@ while True:
 
 @pytest.mark.parametrize("delay", [0.7, 1.3, 2.1])
 def test_kill_during_write_behind_save_leaves_a_usable_record(delay, tiny_dirs, tmp_path):
-    env = dict(os.environ, PYTHONPATH=str(TESTS_DIR))
     proc = subprocess.Popen(
         [sys.executable, "-c", CRASH_LOOP, str(tiny_dirs["llama"]), str(tmp_path)],
         stdout=subprocess.PIPE,
-        env=env,
+        cwd=REPO_ROOT,
     )
+    assert proc.stdout is not None
     assert proc.stdout.readline().strip() == b"ready"
     time.sleep(delay)  # saves are being written behind all the time by now
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     engine = Engine(model=tiny_dirs["llama"], cache_dir=tmp_path)
-    record = engine.store.load("victim")
+    record = engine._shelf.store.load("victim")
     assert record is not None, "the previous record must survive a kill mid-save"
-    assert not list(engine.store.quarantine_dir.glob("*.safetensors"))
+    assert not list(engine._shelf.store.quarantine_dir.glob("*.safetensors"))
     r = engine.chat("victim", [{"role": "user", "content": "start"}], max_tokens=2)
     assert r.cache == "warm" and r.usage.cached_tokens > 0

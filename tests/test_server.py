@@ -18,13 +18,17 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import httpx
 import pytest
-from servers import ServerThread, wait_up
-from tiny import make_tiny_model_dir
 
 import kvshelf  # noqa: F401  (OpenBLAS before mlx)
+from tests.support.servers import ServerThread, wait_up
+from tests.support.tiny import make_tiny_model_dir
+
+if TYPE_CHECKING:
+    from openai import OpenAI
 
 openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
@@ -66,7 +70,7 @@ def url(served) -> str:
 
 
 @pytest.fixture
-def client(url) -> openai.OpenAI:
+def client(url) -> OpenAI:
     return openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0, timeout=60)
 
 
@@ -180,6 +184,27 @@ def test_agents_listed_read_and_erased(client, url, served):
     assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_agent_id"
 
 
+def test_a_storage_failure_on_delete_is_a_503_and_the_connection_lives_on(client, url, served):
+    """DELETE used to let ``StorageError`` reach the catch-all handler (which Starlette
+    re-raises); it is now answered like any kvshelf error. The store cannot be made
+    read-only for root, so the failure is a lock another holder keeps past the timeout."""
+    store = served[1]._shelf.store
+    chat(client, "erin", [{"role": "user", "content": "Keep me."}])
+    served[1].flush()
+    timeout, store.lock_timeout = store.lock_timeout, 0.05
+    try:
+        with httpx.Client(base_url=url, headers=AUTH) as http:
+            with store.lock("erin"):  # held by this thread: the engine's thread cannot take it
+                r = http.delete("/v1/agents/erin")
+            assert r.status_code == 503
+            assert r.json()["error"]["code"] == "unavailable" and r.json()["error"]["type"] == "server_error"
+            listed = http.get("/v1/agents")  # the same connection answers the next request
+            assert listed.status_code == 200 and "erin" in {a["id"] for a in listed.json()["data"]}
+            assert http.delete("/v1/agents/erin").status_code == 200
+    finally:
+        store.lock_timeout = timeout
+
+
 # -- tools and JSON mode (the model is random: any well-formed answer) ------------------------
 def check_reply(choice) -> None:
     msg = choice.message
@@ -206,7 +231,7 @@ def test_tool_requests_answer_well_formed(client, tool_choice):
 
 
 def test_tools_are_rendered_and_a_tool_conversation_reuses_the_cache(client):
-    user = [{"role": "system", "content": "You help."}, {"role": "user", "content": "Weather in Oslo?"}]
+    user: list[dict] = [{"role": "system", "content": "You help."}, {"role": "user", "content": "Weather in Oslo?"}]
     plain = chat(client, None, user, tools=TOOLS, tool_choice="none")
     first = chat(client, "tina", user, tools=TOOLS)
     assert first.usage.prompt_tokens > plain.usage.prompt_tokens + 50  # the tool text is in the prompt
@@ -319,7 +344,7 @@ def _when_saved(engine: Engine, agent: str) -> int:
     deadline = time.monotonic() + 20
     while True:
         info = [a for a in engine.agents() if a.agent_id == agent]
-        if info and info[0].tokens == engine.store.token_count(agent):
+        if info and info[0].tokens == engine._shelf.store.token_count(agent):
             return info[0].tokens
         assert time.monotonic() < deadline, f"{agent}: the request never ended, or RAM and disk disagree"
         time.sleep(0.05)

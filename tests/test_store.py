@@ -1,4 +1,4 @@
-"""Tests of the on-disk record store (kvshelf.storage.records) and agent-id validation.
+"""Tests of the on-disk record store (kvshelf.storage.records and .codec) and agent-id validation.
 
 All tensors are real MLX arrays (4-bit ``mx.quantize`` output of random data);
 the filesystem failures are either real (RLIMIT_FSIZE in a child process) or
@@ -19,6 +19,7 @@ import threading
 import time
 import uuid
 from pathlib import Path
+from typing import Any, cast
 
 import mlx.core as mx
 import numpy as np
@@ -27,9 +28,11 @@ import pytest
 import kvshelf  # noqa: F401  (preloads OpenBLAS before mlx)
 from kvshelf.errors import InvalidAgentId, KVShelfError, StorageError
 from kvshelf.kv.record import CacheRecord
+from kvshelf.storage import codec
 from kvshelf.storage import records as store_module
 from kvshelf.storage.agent_id import AgentId, validate_agent_id
-from kvshelf.storage.records import FORMAT_VERSION, RecordStore
+from kvshelf.storage.codec import FORMAT_VERSION
+from kvshelf.storage.records import RecordStore
 
 FINGERPRINT = hashlib.sha256(b"model-a").hexdigest()
 OTHER_FINGERPRINT = hashlib.sha256(b"model-b").hexdigest()
@@ -52,6 +55,19 @@ def make_record(n_layers: int = 2, n_tokens: int = 48, head_dim: int = 64, seed:
     tokens = np.random.default_rng(seed).integers(0, 262_144, n_tokens).tolist()
     meta = {"bits": 4, "group_size": 32, "n_layers": n_layers, "layout": {"kind": "quantized", "heads": 2}}
     return CacheRecord(tokens=tokens, tensors=tensors, meta=meta)
+
+
+def unchecked_record(tokens: object, tensors: object, meta: object) -> CacheRecord:
+    """A record with fields of any type, as a caller without a type checker could build one."""
+    return CacheRecord(cast(Any, tokens), cast(Any, tensors), cast(Any, meta))
+
+
+def load_safetensors(path: Path) -> tuple[dict[str, mx.array], dict[str, str]]:
+    """The tensors and metadata of a safetensors file (mx.load's stub returns the union of every format's result)."""
+    loaded = mx.load(str(path), return_metadata=True)
+    assert isinstance(loaded, tuple)
+    arrays, metadata = loaded
+    return arrays, metadata
 
 
 def raw_bytes(array: mx.array) -> bytes:
@@ -80,7 +96,7 @@ def rewrite_header(path: Path, change) -> None:
     document = json.loads(data[8 : 8 + length])
     metadata = document.pop("__metadata__")
     change(metadata, document)
-    path.write_bytes(store_module._encode_header(metadata, document) + data[8 + length :])
+    path.write_bytes(codec.encode_header(metadata, document) + data[8 + length :])
 
 
 def flip_byte(path: Path, position: int) -> None:
@@ -126,7 +142,7 @@ def test_round_trip_is_bitwise_identical(store: RecordStore) -> None:
 def test_records_are_plain_safetensors_without_prompt_text(store: RecordStore) -> None:
     record = make_record(seed=3)
     store.save("alice", record)
-    arrays, metadata = mx.load(str(store.path_for("alice")), return_metadata=True)
+    arrays, metadata = load_safetensors(store.path_for("alice"))
     assert metadata["kvshelf.format_version"] == str(FORMAT_VERSION)
     assert metadata["kvshelf.model_fingerprint"] == FINGERPRINT
     assert json.loads(metadata["kvshelf.meta"]) == record.meta
@@ -161,16 +177,16 @@ def test_save_overwrites_and_lists_agents(store: RecordStore) -> None:
 def test_save_rejects_malformed_records_without_writing(store: RecordStore) -> None:
     good = make_record(n_layers=1)
     bad_records = [
-        CacheRecord(good.tokens, {"x": np.zeros(3)}, {}),  # not an mx.array
-        CacheRecord(good.tokens, {"__tokens__": mx.zeros(3)}, {}),  # reserved name
-        CacheRecord(good.tokens, {"": mx.zeros(3)}, {}),
-        CacheRecord([1, -5], good.tensors, {}),
-        CacheRecord([1, 2**40], good.tensors, {}),
-        CacheRecord(["a"], good.tensors, {}),
-        CacheRecord([1.5], good.tensors, {}),
-        CacheRecord([[1, 2]], good.tensors, {}),
-        CacheRecord(good.tokens, good.tensors, {"x": object()}),  # not JSON
-        CacheRecord(good.tokens, good.tensors, {"x": float("nan")}),
+        unchecked_record(good.tokens, {"x": np.zeros(3)}, {}),  # not an mx.array
+        unchecked_record(good.tokens, {"__tokens__": mx.zeros(3)}, {}),  # reserved name
+        unchecked_record(good.tokens, {"": mx.zeros(3)}, {}),
+        unchecked_record([1, -5], good.tensors, {}),
+        unchecked_record([1, 2**40], good.tensors, {}),
+        unchecked_record(["a"], good.tensors, {}),
+        unchecked_record([1.5], good.tensors, {}),
+        unchecked_record([[1, 2]], good.tensors, {}),
+        unchecked_record(good.tokens, good.tensors, {"x": object()}),  # not JSON
+        unchecked_record(good.tokens, good.tensors, {"x": float("nan")}),
     ]
     for record in bad_records:
         with pytest.raises((TypeError, ValueError)):
@@ -244,17 +260,38 @@ def test_good_agent_ids_are_accepted(store: RecordStore, agent_id: str) -> None:
 
 
 @pytest.mark.parametrize("agent_id", BAD_IDS, ids=repr)
-def test_bad_agent_ids_are_rejected_before_touching_disk(store: RecordStore, agent_id: object) -> None:
+def test_bad_agent_ids_are_rejected_before_touching_disk(store: RecordStore, agent_id: Any) -> None:
     with pytest.raises(InvalidAgentId) as info:
         validate_agent_id(agent_id)
     assert isinstance(info.value, ValueError) and isinstance(info.value, KVShelfError)
     assert "agent id" in str(info.value)
     for call in (store.path_for, store.load, store.delete, store.size_on_disk, store.lock):
         with pytest.raises(InvalidAgentId):
-            call(agent_id)  # type: ignore[arg-type]
+            call(agent_id)
     with pytest.raises(InvalidAgentId):
-        store.save(agent_id, make_record(n_layers=1, n_tokens=4))  # type: ignore[arg-type]
+        store.save(agent_id, make_record(n_layers=1, n_tokens=4))
     assert not store.root.exists() or list(store.root.rglob("*")) == []
+
+
+@pytest.mark.parametrize("agent_id", BAD_IDS, ids=repr)
+def test_shared_prefix_markers_refuse_bad_ids_before_touching_disk(tmp_path: Path, agent_id: Any) -> None:
+    """Markers name files after agent and prefix ids too, through the same check."""
+    from kvshelf.model.spec import LayerSpec, ModelCacheSpec
+    from kvshelf.storage.prefixes import SharedPrefixes
+
+    shared = SharedPrefixes(tmp_path, FINGERPRINT, ModelCacheSpec((LayerSpec(None, 1, 64, 64),)))
+    for call in (
+        lambda: shared.add_user("prefix-0123", agent_id),
+        lambda: shared.add_user(agent_id, AgentId("alice")),
+        lambda: shared.release(agent_id),
+        lambda: shared.users(agent_id),
+    ):
+        with pytest.raises(InvalidAgentId):
+            call()
+    if isinstance(agent_id, str):  # the RAM registry is looked up first, by (hashable) id
+        with pytest.raises(InvalidAgentId):
+            shared.get(agent_id)
+    assert not tmp_path.exists() or list(tmp_path.rglob("*")) == []
 
 
 def test_str_subclass_cannot_smuggle_a_different_name() -> None:
@@ -393,9 +430,12 @@ def test_header_peeks_and_explicit_quarantine(store: RecordStore, caplog) -> Non
     assert store.token_count("alice") == 0 and store.mtime("alice") is None
     assert store.quarantine("alice", "nothing there") is None
     record = make_record(n_tokens=37)
+    saved_after = time.time()
     store.save("alice", record)
     assert store.token_count("alice") == 37
-    assert abs(store.mtime("alice") - time.time()) < 60
+    # on time.time()'s scale, and no older than the save (1 s: coarse filesystem clocks)
+    mtime = store.mtime("alice")
+    assert mtime is not None and saved_after - 1 <= mtime <= time.time() + 1
     flip_byte(store.path_for("alice"), 8 + header_length(store.path_for("alice")) // 2)
     assert store.token_count("alice") == 0  # a damaged header counts nothing...
     assert store.path_for("alice").exists()  # ...and a peek never quarantines
@@ -422,17 +462,17 @@ def test_every_single_byte_change_is_detected(tmp_path: Path) -> None:
     store = RecordStore(tmp_path, FINGERPRINT)
     store.save("alice", make_record(n_layers=1, n_tokens=8, head_dim=32))
     good = store.path_for("alice").read_bytes()
-    assert store_module._decode(bytearray(good), FINGERPRINT) is not None
+    assert codec.decode(bytearray(good), FINGERPRINT) is not None
     masks = np.random.default_rng(0).integers(1, 256, len(good))
     for position in range(len(good)):
         for mask in (0x01, int(masks[position])):
             damaged = bytearray(good)
             damaged[position] ^= mask
-            with pytest.raises(store_module.RecordRejected):
-                store_module._decode(damaged, FINGERPRINT)
+            with pytest.raises(codec.RecordRejected):
+                codec.decode(damaged, FINGERPRINT)
     for cut in range(len(good)):
-        with pytest.raises(store_module.RecordRejected):
-            store_module._decode(bytearray(good[:cut]), FINGERPRINT)
+        with pytest.raises(codec.RecordRejected):
+            codec.decode(bytearray(good[:cut]), FINGERPRINT)
 
 
 # ---------------------------------------------------------------- delete
@@ -651,7 +691,8 @@ def test_two_processes_never_see_a_torn_or_quarantined_record(tmp_path: Path) ->
 
 
 def test_fingerprint_must_be_hex() -> None:
-    for bad in ["", "abc", "not-a-hex-digest-at-all", 123]:
+    bads: list[Any] = ["", "abc", "not-a-hex-digest-at-all", 123]  # 123: not even a str
+    for bad in bads:
         with pytest.raises(ValueError):
-            RecordStore(Path("/nonexistent"), bad)  # type: ignore[arg-type]
+            RecordStore(Path("/nonexistent"), bad)
     assert RecordStore(Path("/x"), FINGERPRINT.upper()).model_fingerprint == FINGERPRINT

@@ -4,6 +4,7 @@ and the prompt additions checked for the byte stability that prefix reuse needs.
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import pytest
 
@@ -11,6 +12,8 @@ from kvshelf.model.template import ChatMLTemplate, GemmaTemplate
 from kvshelf.serving.json_mode import JsonObjectCutter, instruction, is_valid_json
 from kvshelf.serving.tools import (
     ToolCallStream,
+    complete_json_prefix,
+    end_of_call,
     name_tool_results,
     opening,
     parse_tool_calls,
@@ -147,7 +150,7 @@ def test_tool_conversation_renders_byte_stable(template):
     """Each turn's prompt (tools in the system text, forced opening) starts the next one."""
     extra = tools_text(TOOLS)
     call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
-    turns = [
+    turns: list[list[dict[str, Any]]] = [
         [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Weather in Paris?"}],
         [
             {"role": "assistant", "content": None, "tool_calls": [call]},
@@ -155,7 +158,8 @@ def test_tool_conversation_renders_byte_stable(template):
         ],
         [{"role": "assistant", "content": "It is sunny."}, {"role": "user", "content": "Thanks"}],
     ]
-    history, prompts = [], []
+    history: list[dict[str, Any]] = []
+    prompts: list[str] = []
     for i, new in enumerate(turns):
         history += new
         msgs = with_system_text(name_tool_results(history), extra)
@@ -172,14 +176,17 @@ def test_tool_conversation_renders_byte_stable(template):
 
 
 def test_with_system_text_merges_into_the_first_system_message():
-    msgs = [{"role": "system", "content": [{"type": "text", "text": "Be brief."}]}, {"role": "user", "content": "hi"}]
+    msgs: list[dict[str, Any]] = [
+        {"role": "system", "content": [{"type": "text", "text": "Be brief."}]},
+        {"role": "user", "content": "hi"},
+    ]
     assert with_system_text(msgs, "TOOLS")[0] == {"role": "system", "content": "Be brief.\n\nTOOLS"}
     assert with_system_text(msgs[1:], "TOOLS") == [{"role": "system", "content": "TOOLS"}, msgs[1]]
     assert with_system_text(msgs, "") == msgs
 
 
 def test_name_tool_results_from_earlier_calls():
-    msgs = [
+    msgs: list[dict[str, Any]] = [
         {"role": "assistant", "tool_calls": [{"id": "c9", "function": {"name": "add", "arguments": "{}"}}]},
         {"role": "tool", "tool_call_id": "c9", "content": "3"},
         {"role": "tool", "tool_call_id": "zz", "content": "?"},
@@ -209,11 +216,12 @@ def test_json_instruction_and_validation():
 
 # -- a request made ready for the engine ------------------------------------------------------
 def prepared(header: str | None = None, **body):
+    from kvshelf.runtime.params import GenerationParams
     from kvshelf.serving.completions import prepare
     from kvshelf.serving.openai_api import ChatCompletionRequest
 
     body.setdefault("messages", [{"role": "user", "content": "hi"}])
-    return prepare(ChatCompletionRequest.model_validate(body), header, default_max_tokens=99)
+    return prepare(ChatCompletionRequest.model_validate(body), header, GenerationParams(max_tokens=99))
 
 
 def test_prepare_resolves_identity_and_options():
@@ -222,7 +230,8 @@ def test_prepare_resolves_identity_and_options():
     assert prepared("alice", user="bob").agent_id == "alice"  # the header wins
     turn = prepared(max_tokens=5, max_completion_tokens=7, temperature=0, stop="x")
     assert turn.options == {"max_tokens": 7, "temperature": 0, "top_p": 1.0, "stop": "x", "seed": None}
-    assert prepared().options["max_tokens"] == 99 and prepared().options["temperature"] == 1.0
+    # left out: the given defaults; the temperature is GenerationParams' greedy 0, not OpenAI's 1
+    assert prepared().options["max_tokens"] == 99 and prepared().options["temperature"] == 0.0
 
 
 @pytest.mark.parametrize(
@@ -269,3 +278,28 @@ def test_jinja_templates_open_the_assistant_turn_too():
     opened = template.render([*msgs, {"role": "assistant", "content": "{", "prefix": True}])
     assert opened == template.render(msgs) + "{"
     assert template.render([*msgs, {"role": "assistant", "content": '{"a": 1}'}], False).startswith(opened)
+
+
+def test_a_call_cut_short_inside_its_tag_is_completed_only_by_closing_brackets():
+    assert complete_json_prefix('{"name": "f", "arguments": {"a": [1, 2') == '{"name": "f", "arguments": {"a": [1, 2]}}'
+    assert complete_json_prefix('{"a": 1,') == '{"a": 1}'
+    for broken in ('{"a": "unterminated', '{"a": }', '{"a": 1}}', "[1, 2", '{"a": tru', "plain text", ""):
+        assert complete_json_prefix(broken) is None, broken
+    content, calls = parse_tool_calls('<tool_call>{"name": "f", "arguments": {"city": "Paris"', ["f"])
+    assert content == "" and [(c.name, json.loads(c.arguments)) for c in calls] == [("f", {"city": "Paris"})]
+    content, calls = parse_tool_calls('<tool_call>{"name": "f", "arguments": {"city": "Par', ["f"])
+    assert calls == [] and content.startswith("<tool_call>")  # cut inside a string: not a call
+    # the reply ended inside the closing tag (the model wrote "</tool_call" and ended its turn)
+    content, calls = parse_tool_calls('<tool_call>{"name": "f", "arguments": {"a": 1</tool_call', ["f"])
+    assert content == "" and [json.loads(c.arguments) for c in calls] == [{"a": 1}]
+
+
+def test_a_forced_call_ends_where_its_object_closes_or_at_the_closing_tag():
+    opening = '<tool_call>{"name": "f", "arguments":'
+    until = end_of_call(opening)
+    reply = ' {"a": 1}} trailing'
+    assert until(reply) == reply.index("}}") + 2
+    until = end_of_call(opening)
+    reply = ' {"a": 1</tool_call> more'
+    assert until(reply) == reply.index("</tool_call>")
+    assert end_of_call(opening)(' {"a": 1') == -1

@@ -88,9 +88,11 @@ def q4_source(ctx: BenchContext, n: int) -> str:
     """An agent with a record of about ``n`` prompt tokens (the TTFT section's, or a new one)."""
     engine = ctx.get_engine()
     aid = ctx.records.get(n)
-    if aid is None or not engine.store.path_for(aid).exists():
+    if aid is None or not engine._shelf.store.path_for(aid).exists():
         aid = f"capacity-{n}"
-        engine.prefill(aid, [{"role": "user", "content": prompt_of_tokens(engine.tokenizer, n, salt="Capacity. ")}])
+        engine.prefill(
+            aid, [{"role": "user", "content": prompt_of_tokens(engine.loaded.tokenizer, n, salt="Capacity. ")}]
+        )
         engine.flush()
         ctx.records[n] = aid
     return aid
@@ -105,16 +107,18 @@ def run(ctx: BenchContext) -> dict:
             continue
         aid = q4_source(ctx, n)
         engine.flush()
-        tokens = engine.store.token_count(aid)
+        tokens = engine._shelf.store.token_count(aid)
 
         def q4_copy(i: int):
-            cache = engine.load_record(aid)
+            cache = engine._shelf.load(aid)
             if cache is None:
                 raise RuntimeError(f"record of {aid} could not be read back")
             return cache
 
         q4 = fill(s.capacity_budget, q4_copy, s.capacity_max_agents)
-        fp16 = fill(s.capacity_budget, lambda i: FP16Agent(engine.spec, tokens, s.seed + i), s.capacity_max_agents)
+        fp16 = fill(
+            s.capacity_budget, lambda i: FP16Agent(engine.loaded.spec, tokens, s.seed + i), s.capacity_max_agents
+        )
         rows.append(
             {
                 "context_tokens": tokens,
@@ -126,7 +130,7 @@ def run(ctx: BenchContext) -> dict:
                 "q4_per_agent_mb": q4["bytes_per_agent"] / 1e6,
                 "fp16_mlx_active_mb": fp16["mlx_active_bytes_before_eviction"] / 1e6,
                 "q4_mlx_active_mb": q4["mlx_active_bytes_before_eviction"] / 1e6,
-                "raw": {"q4": q4, "fp16": fp16, "kv_scheme": engine.scheme.name},
+                "raw": {"q4": q4, "fp16": fp16, "kv_scheme": engine.kv_scheme.name},
             }
         )
         print(f"  capacity {tokens} tokens: fp16 {fp16['resident']} agents, Q4 {q4['resident']} agents", flush=True)
@@ -136,8 +140,8 @@ def run(ctx: BenchContext) -> dict:
         "description": (
             f"Budget {s.capacity_budget / 1e6:.0f} MB. A BlockPool with that budget is filled one agent at a time "
             "(least recently used evicted when over, as in the engine); the figure is how many agents it holds at the "
-            f"first eviction. Q4 ({engine.scheme.name}): real copies of an agent the engine prefilled, read back from "
-            "its record. fp16: mlx-lm's own KVCache / RotatingKVCache (window kept as mlx-lm keeps it) "
+            f"first eviction. Q4 ({engine.kv_scheme.name}): real copies of an agent the engine prefilled, read back "
+            "from its record. fp16: mlx-lm's own KVCache / RotatingKVCache (window kept as mlx-lm keeps it) "
             "filled with fp16 "
             "arrays of the same shapes. 'MLX active MB' is MLX's allocator reading with the pool full (before the "
             "evicting insert): the bytes are real, not computed. Context tokens include the TTFT section's follow-ups."

@@ -6,7 +6,7 @@ figures printed next to it.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import matplotlib
@@ -21,7 +21,7 @@ def lines(
     xlabel: str,
     ylabel: str,
     xs: Sequence[float],
-    series: dict[str, tuple[Sequence[float], Sequence[float], Sequence[float]]],
+    series: Mapping[str, tuple[Sequence[float], Sequence[float], Sequence[float]]],
     logx: bool = False,
     logy: bool = False,
 ) -> Path:

@@ -57,6 +57,12 @@ def model_dir(model: str) -> Path:
     return Path(model).expanduser()
 
 
+def _load_safetensors(path: Path) -> dict[str, mx.array]:
+    arrays = mx.load(str(path))
+    assert isinstance(arrays, dict)  # a .safetensors file loads as a dict of arrays (no metadata was asked for)
+    return arrays
+
+
 def peer_model_dir(source: Path, work: Path) -> tuple[Path, str]:
     """The model as the peer gets it: an fp32 copy on the CPU when the weights are not fp32.
 
@@ -64,7 +70,7 @@ def peer_model_dir(source: Path, work: Path) -> tuple[Path, str]:
     slower than fp32 ones, and kvshelf computes in fp32 there. The copy gives the peer
     the same compute dtype (its KV cache is then fp32 too, twice fp16's bytes)."""
     files = sorted(source.glob("*.safetensors"))
-    dtypes = {str(v.dtype) for f in files for v in mx.load(str(f)).values() if mx.issubdtype(v.dtype, mx.floating)}
+    dtypes = {str(v.dtype) for f in files for v in _load_safetensors(f).values() if mx.issubdtype(v.dtype, mx.floating)}
     if mx.default_device() != mx.cpu or dtypes <= {"mlx.core.float32"}:
         return source, f"weights as stored ({', '.join(sorted(dtypes))})"
     target = work / "peer-model-fp32"
@@ -73,7 +79,7 @@ def peer_model_dir(source: Path, work: Path) -> tuple[Path, str]:
         if f.suffix == ".safetensors":
             arrays = {
                 k: v.astype(mx.float32) if mx.issubdtype(v.dtype, mx.floating) else v
-                for k, v in mx.load(str(f)).items()
+                for k, v in _load_safetensors(f).items()
             }
             mx.save_safetensors(str(target / f.name), arrays)
         elif f.name == "config.json":
@@ -88,9 +94,9 @@ def peer_model_dir(source: Path, work: Path) -> tuple[Path, str]:
 def q4_bytes_estimate(engine, tokens: int) -> float:
     """Q4 bytes of one agent of ``tokens`` tokens (only used to size the budget)."""
     total = 0.0
-    for layer in engine.spec.layers:
+    for layer in engine.loaded.spec.layers:
         kept = tokens if layer.window is None else min(tokens, layer.window + 2 * 256)
-        total += engine.scheme.bytes_per_token(layer, tokens) * kept
+        total += engine.kv_scheme.bytes_per_token(layer, tokens) * kept
     return total
 
 
@@ -195,7 +201,7 @@ def run(ctx: BenchContext) -> dict:
 
     work = ctx.work_dir / "peer"
     work.mkdir(parents=True, exist_ok=True)
-    docs = documents(engine.tokenizer, s.peer_agents, s.peer_doc_tokens)
+    docs = documents(engine.loaded.tokenizer, s.peer_agents, s.peer_doc_tokens)
     agents = [(f"peer-agent-{i}", d) for i, d in enumerate(docs.values())]
     per_agent = q4_bytes_estimate(engine, s.peer_doc_tokens + 64 * (s.peer_rounds_before + s.peer_rounds_after + 1))
     budget = max(1, int(s.peer_budget_fraction * per_agent * len(agents)))

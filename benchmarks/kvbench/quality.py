@@ -30,7 +30,7 @@ DECODE_STEPS = 6
 
 
 def cache_arrays(cache: list) -> list[mx.array]:
-    out = []
+    out: list[mx.array] = []
     for c in cache:
         for name in ("keys", "values", "k_tail", "sink_k", "sink_v"):
             x = getattr(c, name, None)
@@ -63,7 +63,7 @@ def run_text(loaded, ids: list[int], scheme: KVScheme | None) -> dict:
     return {
         "tokens": n,
         "nll": nll.item(),
-        "ppl": float(mx.exp(nll / n).item()),
+        "ppl": float(mx.exp(nll / n)),
         "decode_ms": 1000 * statistics.median(step_s[1:] or step_s),
     }
 
@@ -86,7 +86,9 @@ def run(ctx: BenchContext) -> dict:
         n = min(s.ppl_tokens, len(tok))
         bos = [loaded.tokenizer.bos_id] if loaded.tokenizer.bos_id is not None else []
         ids[t] = bos + tok[:n]
-    compute_dtype = str(tree_flatten(loaded.model.parameters())[0][1].dtype).replace("mlx.core.", "")
+    params = tree_flatten(loaded.model.parameters())
+    assert isinstance(params, list)  # (name, array) pairs: a dict comes back only for a dict destination
+    compute_dtype = str(params[0][1].dtype).replace("mlx.core.", "")
     rows: list[dict] = []
     for name in [REFERENCE, *s.ppl_schemes]:
         scheme = None if name == REFERENCE else SCHEMES[name]

@@ -116,7 +116,7 @@ def run(ctx: BenchContext) -> dict:
     s = ctx.settings
     first = ctx.get_engine()
     rng = random.Random(s.seed)
-    docs_by_name = documents(first.tokenizer, s.routing_experts, s.routing_doc_tokens)
+    docs_by_name = documents(first.loaded.tokenizer, s.routing_experts, s.routing_doc_tokens)
     names, docs = list(docs_by_name), list(docs_by_name.values())
     questions = make_questions(docs_by_name, len(docs) + s.routing_questions, rng)
     router = Router(docs)
@@ -152,7 +152,7 @@ def run(ctx: BenchContext) -> dict:
     with Engine(model=first.loaded, cache_dir=ctx.cache_dir, budget=budget, progress=False) as engine:
         for k, q in enumerate(questions[len(docs) :], start=len(docs)):
             for aid in ids:
-                drop_from_page_cache(engine.store.path_for(aid))
+                drop_from_page_cache(engine._shelf.store.path_for(aid))
             results.append(ask(engine, routed[k], q))
             wrong = (q["expert"] + 1 + k % (len(docs) - 1)) % len(docs)
             control.append(ask(engine, wrong, q))

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass, field, fields, replace
+from typing import Any
 
 SECTIONS = ("ttft", "capacity", "quality", "phases", "routing", "peer")
 
@@ -103,7 +104,7 @@ def _coerce(current: object, text: str) -> object:
 def with_overrides(base: Settings, pairs: list[str]) -> Settings:
     """Apply ``name=value`` overrides; an unknown name is an error, not a silent no-op."""
     names = {f.name: f for f in fields(base)}
-    changes = {}
+    changes: dict[str, Any] = {}
     for pair in pairs:
         name, sep, value = pair.partition("=")
         if not sep or name not in names:

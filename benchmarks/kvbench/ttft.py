@@ -41,7 +41,7 @@ def run(ctx: BenchContext) -> dict:
         runs = s.ttft_cold_runs if n <= 4096 else s.ttft_cold_runs_large
         for r in range(runs):
             aid = f"ttft-{n}-{r}"  # the work directory is new for every bench run: no stale agent
-            msgs = [{"role": "user", "content": prompt_of_tokens(engine.tokenizer, n, salt=f"Run {r}. ")}]
+            msgs = [{"role": "user", "content": prompt_of_tokens(engine.loaded.tokenizer, n, salt=f"Run {r}. ")}]
             res = engine.chat(aid, msgs, max_tokens=4)
             assert res.cache == "cold", res.cache
             cold.append(res.ttft_s)
@@ -49,7 +49,7 @@ def run(ctx: BenchContext) -> dict:
                 msgs = follow_up(msgs, res.text, QUESTIONS[i % len(QUESTIONS)])
                 engine.flush()
                 engine.evict(aid)
-                drop_from_page_cache(engine.store.path_for(aid))
+                drop_from_page_cache(engine._shelf.store.path_for(aid))
                 res = engine.chat(aid, msgs, max_tokens=4)
                 if res.cache != "warm":
                     raise RuntimeError(f"expected a restore from disk, got {res.cache}")
@@ -61,7 +61,7 @@ def run(ctx: BenchContext) -> dict:
                     raise RuntimeError(f"expected a hot cache, got {res.cache}")
                 hot.append(res.ttft_s)
             engine.flush()
-            record_bytes.append(engine.store.size_on_disk(aid))
+            record_bytes.append(engine._shelf.store.size_on_disk(aid))
             tokens_held.append(res.usage.prompt_tokens + res.usage.completion_tokens)
             ctx.records[n] = aid
             print(
@@ -86,11 +86,11 @@ def run(ctx: BenchContext) -> dict:
         )
     return {
         "title": TITLE,
-        "kv_scheme": engine.scheme.name,
+        "kv_scheme": engine.kv_scheme.name,
         "model": engine.loaded.name,
         "table": rows,
         "description": (
-            f"Model {engine.loaded.name}, KV scheme {engine.scheme.name}. Cold: the whole prompt is prefilled. "
+            f"Model {engine.loaded.name}, KV scheme {engine.kv_scheme.name}. Cold: the whole prompt is prefilled. "
             "Warm: the agent is evicted from RAM and its record dropped from the OS page cache, then a "
             "~20-token follow-up is asked (restore from disk + prefill of the new tokens). Hot: another "
             "follow-up while the agent is in RAM. Medians with min–max over the runs shown; every request "

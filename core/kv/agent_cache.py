@@ -8,12 +8,11 @@ generated, so a growing conversation only prefills what is new.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 
 import mlx.core as mx
 
-from kvshelf.kv.blocks import QuantizedLayerCache, SharedLayer
+from kvshelf.kv.blocks import QTriple, QuantizedLayerCache, SharedLayer
 from kvshelf.kv.schemes import DEFAULT_SCHEME, SCHEMES, KVScheme
 from kvshelf.kv.shared import SharedPrefix, prefix_id
 from kvshelf.model.spec import BLOCK_TOKENS, ModelCacheSpec
@@ -66,7 +65,12 @@ class AgentCache:
             if rows <= 0 or c.keys is None:
                 layers.append(None)
                 continue
-            block = lambda q: tuple(mx.contiguous(x[..., :rows, :]) for x in q)  # noqa: E731
+            assert c.values is not None  # set together with keys
+
+            def block(q: QTriple, rows: int = rows) -> QTriple:
+                w, scales, biases = (mx.contiguous(x[..., :rows, :]) for x in q)
+                return w, scales, biases
+
             base = SharedLayer(block(c.keys), block(c.values), c.start)
             mx.eval(*base.keys, *base.values)
             c.attach_base(base)
@@ -87,7 +91,8 @@ class AgentCache:
         """A copy that shares every block with this one; either side's writes stay its own."""
         return AgentCache(self.spec, self.scheme, [c.clone() for c in self.layers], list(self.tokens), self.shared)
 
-    def _drop_unused_share(self) -> None:
+    def drop_unused_share(self) -> None:
+        """Forget the shared prefix once no layer starts on it any more."""
         if self.shared is not None and all(c.base is None for c in self.layers):
             self.shared = None
 
@@ -106,14 +111,15 @@ class AgentCache:
                 self.layers = [self.scheme.make(layer) for layer in self.spec.layers]
                 keep = 0
             self.tokens = self.tokens[:keep]
-            self._drop_unused_share()
+            self.drop_unused_share()
         return keep
 
     def arrays(self) -> list[mx.array]:
         """Every array the caches hold alone (to evaluate after a forward pass)."""
-        out = []
+        out: list[mx.array] = []
         for c in self.layers:
             if c.keys is not None:
+                assert c.values is not None  # set together with keys
                 out.extend((*c.keys, *c.values))
             out.extend(
                 x
@@ -121,62 +127,3 @@ class AgentCache:
                 if x is not None
             )
         return out
-
-    # -- records ---------------------------------------------------------------------
-    def to_record_parts(self) -> tuple[dict[str, mx.array], dict]:
-        """The agent's own tensors and header; a shared prefix is named, not copied."""
-        self._drop_unused_share()
-        tensors: dict[str, mx.array] = {}
-        layout = []
-        for i, c in enumerate(self.layers):
-            for name, x in c.export().items():
-                tensors[f"l{i}.{name}"] = x
-            layout.append({"start": c.start, "offset": c.offset, "group_size": c.group_size, "base_rows": c.base_rows})
-        meta = {"scheme": self.scheme.name, "spec": self.spec.to_json(), "layers": json.dumps(layout)}
-        if self.shared is not None:
-            meta["shared_prefix"] = self.shared.id
-        return tensors, meta
-
-    @classmethod
-    def from_record_parts(
-        cls,
-        spec: ModelCacheSpec,
-        tokens: list[int],
-        tensors: dict[str, mx.array],
-        meta: dict,
-        prefix: SharedPrefix | None = None,
-    ) -> AgentCache:
-        """Rebuild from a record; raise ValueError if it does not fit this model.
-
-        A record keeps the KV scheme it was written with (any scheme this build knows is
-        read as that scheme, and the agent goes on in it); an unknown scheme is refused,
-        so the record is quarantined rather than misread.
-        """
-        name = meta.get("scheme")
-        if name not in SCHEMES:
-            raise ValueError(f"record uses KV scheme {name!r}, which this build does not know")
-        if ModelCacheSpec.from_json(meta["spec"]) != spec:
-            raise ValueError("record was written for a different cache geometry")
-        layout = json.loads(meta["layers"])
-        if len(layout) != len(spec.layers):
-            raise ValueError("record layer count does not match the model")
-        wanted = meta.get("shared_prefix")
-        if wanted is not None and (prefix is None or prefix.id != wanted):
-            raise ValueError(f"record needs shared prefix {wanted!r}, which is not available")
-        if prefix is not None and (wanted is None or list(tokens[: len(prefix.tokens)]) != prefix.tokens):
-            raise ValueError("record's tokens do not start with its shared prefix")
-        cache = cls.empty(spec, SCHEMES[name])
-        for i, (c, lay) in enumerate(zip(cache.layers, layout)):
-            if lay["offset"] != len(tokens) or lay["group_size"] != c.group_size:
-                raise ValueError(f"layer {i} layout does not match the record's tokens")
-            base = prefix.layers[i] if prefix is not None and lay.get("base_rows", 0) else None
-            if (base.rows if base is not None else 0) < lay.get("base_rows", 0):
-                raise ValueError(f"layer {i} needs more shared rows than its prefix holds")
-            if base is not None and base.rows > lay["base_rows"]:
-                base = base.tail(base.rows - lay["base_rows"])  # a window moved past some
-            key = f"l{i}."
-            arrays = {k[len(key) :]: v for k, v in tensors.items() if k.startswith(key)}
-            c.load(arrays, lay["start"], lay["offset"], base)
-        cache.tokens = list(tokens)
-        cache.shared = prefix if wanted is not None else None
-        return cache

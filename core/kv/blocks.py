@@ -30,6 +30,8 @@ Why this shape:
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
@@ -43,6 +45,24 @@ QUANTIZED_ATTENTION_MAX_QUERY = 1
 SCALE_DTYPE = mx.float16
 
 QTriple = tuple[mx.array, mx.array, mx.array]
+
+_NO_STATE = (
+    "a kvshelf KV cache cannot be saved or loaded through mlx-lm's cache state "
+    "(save_prompt_cache/load_prompt_cache): it would write an empty cache. "
+    "Use kvshelf's records instead (the engine saves every agent to its RecordStore)."
+)
+
+
+@dataclass
+class LayerRows:
+    """A layer cache's own rows as a record stores them: packed K/V rows after any
+    shared base (None when it holds none), and the fp16 extras of coded schemes."""
+
+    keys: QTriple | None = None
+    values: QTriple | None = None
+    k_tail: mx.array | None = None  # per-channel keys' partial last block
+    sink_k: mx.array | None = None  # attention sinks
+    sink_v: mx.array | None = None
 
 
 class SharedLayer:
@@ -79,6 +99,10 @@ def group_size_for(layer: LayerSpec, preferred: int = 64) -> int:
         f"head dims {layer.k_head_dim}/{layer.v_head_dim} are not multiples of 32; "
         "kvshelf cannot quantize this model's KV cache"
     )
+
+
+def _map3(f: Callable[[mx.array], mx.array], q: QTriple) -> QTriple:
+    return f(q[0]), f(q[1]), f(q[2])
 
 
 def _blocks(n: int) -> int:
@@ -335,35 +359,48 @@ class QuantizedLayerCache(PackedFetch, _BaseCache):
         return sum(x.nbytes for x in (*self.keys, *self.values))
 
     # -- persistence -----------------------------------------------------------------
-    def export(self) -> dict[str, mx.array]:
+    # The record format (tensor names, header, checks) lives in ``kvshelf.kv.record``;
+    # a layer cache only hands out and takes back its own rows.
+    def own_rows(self) -> LayerRows:
         """This cache's own valid rows (after any shared base), without padding."""
         n = self.used - self.base_rows
-        if self.keys is None or n <= 0:
-            return {}
-        names = ("w", "s", "b")
-        out = {f"k.{m}": x[..., :n, :] for m, x in zip(names, self.keys)}
-        out.update({f"v.{m}": x[..., :n, :] for m, x in zip(names, self.values)})
-        return out
+        if self.keys is None or self.values is None or n <= 0:
+            return LayerRows()
+        return LayerRows(_map3(lambda x: x[..., :n, :], self.keys), _map3(lambda x: x[..., :n, :], self.values))
 
-    def load(self, arrays: dict[str, mx.array], start: int, offset: int, base: SharedLayer | None = None) -> None:
-        """Restore from ``export()`` output: rows ``start..offset`` after ``base``, padded
-        to whole blocks."""
+    def restore(self, rows: LayerRows, start: int, offset: int, base: SharedLayer | None = None) -> None:
+        """Take back ``own_rows()`` output: rows ``start..offset`` after ``base``, padded
+        to whole blocks. Trusts its input: ``kvshelf.kv.record`` checks that a record fits
+        (row counts, base position) before calling this."""
         self.start, self.offset, self.base = start, offset, base
-        if base is not None and base.start != start:
-            raise ValueError("shared base does not start where the record's layer starts")
-        if not arrays:
-            if offset - start != self.base_rows:
-                raise ValueError("record holds no rows for this layer, header says it has some")
+        if rows.keys is None or rows.values is None:
             self.keys = self.values = None
             return
         used = offset - start - self.base_rows
-        rows = _blocks(used) * BLOCK_TOKENS
+        capacity = _blocks(used) * BLOCK_TOKENS
 
         def padded(x: mx.array) -> mx.array:
-            if x.shape[2] != used:
-                raise ValueError(f"record holds {x.shape[2]} rows, header says {used}")
-            pad = mx.zeros((*x.shape[:2], rows - used, x.shape[3]), dtype=x.dtype)
+            pad = mx.zeros((*x.shape[:2], capacity - x.shape[2], x.shape[3]), dtype=x.dtype)
             return mx.concatenate([x, pad], axis=2)
 
-        self.keys = tuple(padded(arrays[f"k.{n}"]) for n in ("w", "s", "b"))
-        self.values = tuple(padded(arrays[f"v.{n}"]) for n in ("w", "s", "b"))
+        self.keys, self.values = _map3(padded, rows.keys), _map3(padded, rows.values)
+
+    # mlx-lm's ``save_prompt_cache``/``load_prompt_cache`` go through ``state``, which
+    # ``_BaseCache`` defines as an empty list: a kvshelf cache would be written as an
+    # empty file without a word. Generation never reads it (only mlx-lm's own
+    # ``generate_step``/``stream_generate`` evaluate it, and kvshelf does not use them).
+    @property
+    def state(self) -> Any:
+        raise NotImplementedError(_NO_STATE)
+
+    @state.setter
+    def state(self, value: Any) -> None:
+        raise NotImplementedError(_NO_STATE)
+
+    @property
+    def meta_state(self) -> Any:
+        raise NotImplementedError(_NO_STATE)
+
+    @meta_state.setter
+    def meta_state(self, value: Any) -> None:
+        raise NotImplementedError(_NO_STATE)

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from kvshelf.kv.blocks import SCALE_DTYPE, QTriple, QuantizedLayerCache, SharedLayer
+from kvshelf.kv.blocks import SCALE_DTYPE, LayerRows, QTriple, QuantizedLayerCache, SharedLayer
 from kvshelf.model.spec import BLOCK_TOKENS, LayerSpec
 
 FP16 = mx.float16
@@ -200,27 +200,20 @@ class SchemeLayerCache(QuantizedLayerCache):
             self.k_tail = self._dequantize_blocks(block, mx.float32)[..., : used - row, :].astype(FP16)
 
     # -- persistence --------------------------------------------------------------------
-    def export(self) -> dict[str, mx.array]:
-        out = super().export()
-        if not out:
-            return out
-        extras = {"k.tail": self.k_tail, "sink.k": self.sink_k, "sink.v": self.sink_v}
-        out.update({k: x for k, x in extras.items() if x is not None and x.size})
-        return out
+    def own_rows(self) -> LayerRows:
+        rows = super().own_rows()
+        if rows.keys is None:
+            return rows
+        rows.k_tail, rows.sink_k, rows.sink_v = self.k_tail, self.sink_k, self.sink_v
+        return rows
 
-    def load(self, arrays: dict[str, mx.array], start: int, offset: int, base: SharedLayer | None = None) -> None:
-        own = {k: v for k, v in arrays.items() if k[:2] in ("k.", "v.") and k != "k.tail"}
-        super().load(own, start, offset, base)
-        self.k_tail = arrays.get("k.tail")
-        self.sink_k, self.sink_v = arrays.get("sink.k"), arrays.get("sink.v")
-        rows = self.keys if self.keys is not None else (self.base.keys if self.base is not None else None)
-        if self.scheme.channel_keys and rows is not None:
-            tail = self.used % BLOCK_TOKENS
-            if self.k_tail is None and tail == 0:
-                b, h, _, _ = rows[0].shape
-                self.k_tail = mx.zeros((b, h, 0, self.layer.k_head_dim), dtype=FP16)
-            if self.k_tail is None or self.k_tail.shape[2] != tail:
-                raise ValueError("record's fp16 key tail does not match its length")
+    def restore(self, rows: LayerRows, start: int, offset: int, base: SharedLayer | None = None) -> None:
+        super().restore(rows, start, offset, base)
+        self.k_tail, self.sink_k, self.sink_v = rows.k_tail, rows.sink_k, rows.sink_v
+        packed = self.keys if self.keys is not None else (self.base.keys if self.base is not None else None)
+        if self.scheme.channel_keys and packed is not None and self.k_tail is None:
+            b, h, _, _ = packed[0].shape  # a whole number of blocks: the tail is empty
+            self.k_tail = mx.zeros((b, h, 0, self.layer.k_head_dim), dtype=FP16)
 
     @property
     def nbytes(self) -> int:

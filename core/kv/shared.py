@@ -25,15 +25,21 @@ prefilled the same way twice becomes one prefix.
 from __future__ import annotations
 
 import hashlib
-import json
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, cast
 
-import mlx.core as mx
 import numpy as np
 
 from kvshelf.kv.blocks import SharedLayer
-from kvshelf.kv.record import CacheRecord
-from kvshelf.model.spec import ModelCacheSpec
+
+if TYPE_CHECKING:
+    import mlx.core as mx
+    from typing_extensions import Buffer
+
+
+def _buffer(array: mx.array) -> memoryview:
+    """The array's memory, borrowed: mx.array has the buffer protocol, but mlx's stubs do not declare it."""
+    return memoryview(cast("Buffer", array))
 
 
 def prefix_id(scheme: str, tokens: list[int], layers: list[SharedLayer | None]) -> str:
@@ -45,7 +51,7 @@ def prefix_id(scheme: str, tokens: list[int], layers: list[SharedLayer | None]) 
     h.update(np.asarray(tokens, dtype=np.int32).tobytes())
     for layer in layers:
         for x in (*layer.keys, *layer.values) if layer is not None else ():
-            h.update(memoryview(x))
+            h.update(_buffer(x))
     return "prefix-" + h.hexdigest()
 
 
@@ -63,45 +69,3 @@ class SharedPrefix:
     @property
     def nbytes(self) -> int:
         return sum(layer.nbytes for layer in self.layers if layer is not None)
-
-    def to_record(self, spec: ModelCacheSpec) -> CacheRecord:
-        tensors: dict[str, mx.array] = {}
-        layout = []
-        for i, layer in enumerate(self.layers):
-            if layer is None:
-                layout.append(None)
-                continue
-            for part, q in (("k", layer.keys), ("v", layer.values)):
-                for name, x in zip(("w", "s", "b"), q):
-                    tensors[f"l{i}.{part}.{name}"] = x
-            layout.append({"start": layer.start, "rows": layer.rows})
-        meta = {
-            "kind": "shared-prefix",
-            "id": self.id,
-            "scheme": self.scheme,
-            "spec": spec.to_json(),
-            "layers": json.dumps(layout),
-        }
-        return CacheRecord(tokens=list(self.tokens), tensors=tensors, meta=meta)
-
-    @classmethod
-    def from_record(cls, pid: str, spec: ModelCacheSpec, record: CacheRecord) -> SharedPrefix:
-        meta = record.meta
-        if meta.get("kind") != "shared-prefix" or ModelCacheSpec.from_json(meta["spec"]) != spec:
-            raise ValueError("not a shared prefix of this model")
-        if meta.get("id") != pid:
-            raise ValueError("shared prefix's header names another prefix")
-        layout = json.loads(meta["layers"])
-        if len(layout) != len(spec.layers):
-            raise ValueError("shared prefix's layer count does not match the model")
-        layers: list[SharedLayer | None] = []
-        for i, lay in enumerate(layout):
-            if lay is None:
-                layers.append(None)
-                continue
-            triple = lambda part: tuple(record.tensors[f"l{i}.{part}.{n}"] for n in ("w", "s", "b"))  # noqa: E731
-            layer = SharedLayer(triple("k"), triple("v"), int(lay["start"]))
-            if layer.rows != lay["rows"] or layer.start + layer.rows != len(record.tokens):
-                raise ValueError(f"shared prefix layer {i} does not end where its tokens do")
-            layers.append(layer)
-        return cls(pid, meta["scheme"], list(record.tokens), layers)

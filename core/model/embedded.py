@@ -400,7 +400,8 @@ def _build_tokenizer(meta: _Metadata) -> Tokenizer:
     if len(vocab) != len(tokens):
         raise ValueError("duplicate tokens in the GGUF vocabulary")
 
-    ranked = []  # (rank of the merged token, longer left first, longer right first, l, r)
+    # (rank of the merged token, longer left first, longer right first, l, r)
+    ranked: list[tuple[int, int, int, str, str]] = []
     for token, kind, raw_token in zip(tokens, types, raw):
         if kind != _NORMAL and not (kind == _USER_DEFINED and is_space_run(raw_token)):
             continue

@@ -130,8 +130,9 @@ def load_from_directory(path: Path, fingerprint: str | None = None) -> LoadedMod
     if model_type.startswith("gemma"):
         template = GemmaTemplate()
     elif tok_config.get("chat_template"):
-        bos_text = tok.id_to_token(bos_id) if bos_id is not None else ""
-        eos_text = tok.id_to_token(eos_tok) if eos_tok is not None else ""
+        # An id the vocabulary lacks has no text: render nothing for it (id_to_token gives None).
+        bos_text = (tok.id_to_token(bos_id) if bos_id is not None else None) or ""
+        eos_text = (tok.id_to_token(eos_tok) if eos_tok is not None else None) or ""
         template = JinjaTemplate(tok_config["chat_template"], bos_text, eos_text)
     else:
         template = ChatMLTemplate()

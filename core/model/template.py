@@ -95,7 +95,7 @@ def _tool_call_text(message: Message) -> str:
 class GemmaTemplate:
     """Gemma's turn format. System text joins the first user turn, as Gemma expects."""
 
-    stop_strings = ("<end_of_turn>",)
+    stop_strings: tuple[str, ...] = ("<end_of_turn>",)
 
     def render(self, messages: Sequence[Message], add_generation_prompt: bool = True) -> str:
         messages, opened = split_open_turn(messages)
@@ -128,7 +128,7 @@ class GemmaTemplate:
 class ChatMLTemplate:
     """A plain role-tagged format for models with no template of their own."""
 
-    stop_strings = ("<|im_end|>",)
+    stop_strings: tuple[str, ...] = ("<|im_end|>",)
 
     def render(self, messages: Sequence[Message], add_generation_prompt: bool = True) -> str:
         messages, opened = split_open_turn(messages)

@@ -1,2 +1,3 @@
-"""The runtime: the engine (the public front), the scheduler that runs the model over
-every agent's cache, and what an agent's life in RAM and on disk costs (pool, saves)."""
+"""The runtime: the engine (a thin, typed public front), the scheduler that runs the model
+over the caches it borrows, and the shelf that owns every agent's life in RAM and on disk
+(residency, restoring, saving, retries, the byte budget, forks and erasure)."""

@@ -3,9 +3,11 @@
 A request names an agent. Its cache is found in RAM (hot), on disk (warm) or nowhere
 (cold); the new prompt's token ids are matched against the cached ones, the cache is
 cut back to the common prefix, only the rest is prefilled, and the reply is generated
-and saved. All of that runs on the scheduler (``kvshelf.runtime.scheduler``), which batches
-every agent's decode steps together; this module is the public surface: it validates
-input in the caller's thread and hands requests to the scheduler.
+and saved. The model runs on the scheduler (``kvshelf.runtime.scheduler``), which batches
+every agent's decode steps together; every cache lives on the shelf
+(``kvshelf.runtime.shelf``). This module is the public surface: it validates input in
+the caller's thread (agent ids once, as ``AgentId``), builds requests and forwards
+control calls; nothing below it calls back up.
 """
 
 from __future__ import annotations
@@ -13,55 +15,38 @@ from __future__ import annotations
 import asyncio
 import logging
 import queue
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncGenerator, Callable, Generator, Sequence
 from concurrent.futures import Future
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-import mlx.core as mx
 import numpy as np
 
-from kvshelf.errors import KVShelfError, StorageError
-from kvshelf.kv.agent_cache import AgentCache
-from kvshelf.kv.record import CacheRecord
-from kvshelf.kv.schemes import DEFAULT_SCHEME
+from kvshelf.errors import ContextLengthExceeded, KVShelfError
+from kvshelf.kv.schemes import DEFAULT_SCHEME, KVScheme
 from kvshelf.kv.schemes import scheme as kv_scheme_named
-from kvshelf.kv.shared import SharedPrefix
 from kvshelf.model.loader import LoadedModel, load
 from kvshelf.model.template import Message, validate_messages
 from kvshelf.paths import default_cache_dir
-from kvshelf.runtime.pool import BlockPool
-from kvshelf.runtime.results import AgentInfo, ChatResult, Usage  # noqa: F401  (re-exported)
+from kvshelf.runtime.events import Event, Failed, Finished, Prefilled, Text
+from kvshelf.runtime.params import GenerationParams
+from kvshelf.runtime.results import AgentInfo, ChatResult, ForgetResult, ForkResult, Usage  # noqa: F401  (re-exported)
 from kvshelf.runtime.sampling import Sampler
 from kvshelf.runtime.scheduler import Request, Scheduler
-from kvshelf.storage.agent_id import validate_agent_id
-from kvshelf.storage.prefixes import SharedPrefixes
-from kvshelf.storage.records import RecordStore
+from kvshelf.runtime.shelf import Shelf
+from kvshelf.storage.agent_id import AgentId, validate_agent_id
 
 log = logging.getLogger(__name__)
-
-
-class ContextLengthExceeded(KVShelfError, ValueError):
-    """The prompt does not fit the model's context window."""
-
-
-class AgentBusy(KVShelfError):
-    """The agent has a request in flight; erase or evict it once that finishes."""
-
-
-class AgentExists(KVShelfError):
-    """A fork would overwrite an agent that already has a cache; forget it first."""
-
-
-class UnknownAgent(KVShelfError, KeyError):
-    """No cache for this agent, in RAM or on disk."""
 
 
 class Engine:
     """Runs one model for many agents, each with its own persistent 4-bit KV cache.
 
     All requests go through one scheduler, so concurrent callers (threads or asyncio
-    tasks) are batched without doing anything.
+    tasks) are batched without doing anything. The engine itself only checks input (in
+    the caller's thread, so bad input fails fast and alone) and forwards: the scheduler
+    runs the model, the shelf (``kvshelf.runtime.shelf``) keeps every agent's cache.
     """
 
     def __init__(
@@ -79,96 +64,147 @@ class Engine:
         and says whether it reached the disk (``ChatResult.saved``), so a returned turn
         survives a crash. The default writes saves behind, after the result is returned:
         faster to answer, but a crash in between loses that turn's cache."""
-        self.loaded = load(model, progress=progress)
-        self.model = self.loaded.forward
-        self.tokenizer = self.loaded.tokenizer
-        self.spec = self.loaded.spec
+        self.loaded: LoadedModel = load(model, progress=progress)
         self.cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-        self.store = RecordStore(self.cache_dir, self.loaded.fingerprint)
-        self.shared = SharedPrefixes(self.cache_dir, self.loaded.fingerprint, self.spec)
-        self.pool = BlockPool(budget)
-        self.prefill_chunk = prefill_chunk
-        self.scheme = kv_scheme_named(kv_scheme)
-        self.durable = durable
-        self.unsaved: set[str] = set()
+        self._scheme = kv_scheme_named(kv_scheme)
+        self._shelf = Shelf(
+            self.cache_dir,
+            self.loaded.fingerprint,
+            self.loaded.spec,
+            self._scheme,
+            budget=budget,
+            durable=durable,
+        )
         self._closed = False
-        self._scheduler = Scheduler(self)
+        self._scheduler = Scheduler(self.loaded, self._shelf, prefill_chunk=prefill_chunk)
+
+    @property
+    def durable(self) -> bool:
+        """Whether a turn's result waits for its save (see ``__init__``)."""
+        return self._shelf.durable
+
+    @property
+    def kv_scheme(self) -> KVScheme:
+        """How new agents' caches are quantized (a record keeps the scheme it was written in)."""
+        return self._scheme
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def store_dir(self) -> Path:
+        """The folder holding this model's agent records (what one server claims)."""
+        return self._shelf.store.directory
 
     # -- generation ------------------------------------------------------------------
     def chat(
         self,
         agent_id: str | None,
         messages: Sequence[Message],
+        params: GenerationParams | None = None,
         *,
-        max_tokens: int = 256,
-        temperature: float = 0.0,
-        top_p: float = 1.0,
+        max_tokens: int | None = None,
+        temperature: float | None = None,
+        top_p: float | None = None,
         stop: str | Sequence[str] | None = None,
         seed: int | None = None,
         until: Callable[[str], int] | None = None,
     ) -> ChatResult:
         """Generate the agent's next message. ``agent_id=None`` is served but never persisted.
 
-        ``until(text)`` may end the reply early: given the text so far, it returns the
-        length to keep once the reply is complete (``json_mode.end_of_object`` does this
-        for a JSON object), or -1 to go on."""
-        for item in self.stream(
-            agent_id,
-            messages,
-            max_tokens=max_tokens,
-            temperature=temperature,
-            top_p=top_p,
-            stop=stop,
-            seed=seed,
-            until=until,
-        ):
+        ``params`` (default ``GenerationParams()``) sets how the reply is generated; a
+        keyword given here overrides its field. ``until(text)`` may end the reply early:
+        given the text so far, it returns the length to keep once the reply is complete
+        (``json_mode.end_of_object`` does this for a JSON object), or -1 to go on."""
+        p = _merged(params, max_tokens, temperature, top_p, stop, seed)
+        for item in self.stream(agent_id, messages, p, until=until):
             if isinstance(item, ChatResult):
                 return item
         raise RuntimeError("generation ended without a result")  # pragma: no cover
 
-    def stream(self, agent_id: str | None, messages: Sequence[Message], **params: Any) -> Iterator[str | ChatResult]:
+    def stream(
+        self,
+        agent_id: str | None,
+        messages: Sequence[Message],
+        params: GenerationParams | None = None,
+        *,
+        max_tokens: int | None = None,
+        temperature: float | None = None,
+        top_p: float | None = None,
+        stop: str | Sequence[str] | None = None,
+        seed: int | None = None,
+        until: Callable[[str], int] | None = None,
+    ) -> Generator[str | ChatResult, None, None]:
         """Yield text chunks as they are generated, then the final ``ChatResult``.
 
         The request is queued at once (so several streams opened in turn for one agent
         are served in that order). Closing the iterator early cancels the request; the
         agent's cache is kept as far as it got.
         """
-        inbox: queue.SimpleQueue = queue.SimpleQueue()
-        request = self._request(agent_id, messages, inbox.put, **params)
+        p = _merged(params, max_tokens, temperature, top_p, stop, seed)
+        inbox: queue.SimpleQueue[Event] = queue.SimpleQueue()
+        request = self._request(_agent(agent_id), messages, inbox.put, p, until=until)
         self._scheduler.submit(request)
         return self._drain(inbox, request)
 
     @staticmethod
-    def _drain(inbox: queue.SimpleQueue, request: Request) -> Iterator[str | ChatResult]:
+    def _drain(inbox: queue.SimpleQueue[Event], request: Request) -> Generator[str | ChatResult, None, None]:
         try:
             while True:
-                item = inbox.get()
-                if isinstance(item, BaseException):
-                    raise item
+                item = _shown(inbox.get())
                 yield item
                 if isinstance(item, ChatResult):
                     return
         finally:
             request.cancelled = True
 
-    async def achat(self, agent_id: str | None, messages: Sequence[Message], **params: Any) -> ChatResult:
-        async for item in self.astream(agent_id, messages, **params):
+    async def achat(
+        self,
+        agent_id: str | None,
+        messages: Sequence[Message],
+        params: GenerationParams | None = None,
+        *,
+        max_tokens: int | None = None,
+        temperature: float | None = None,
+        top_p: float | None = None,
+        stop: str | Sequence[str] | None = None,
+        seed: int | None = None,
+        until: Callable[[str], int] | None = None,
+    ) -> ChatResult:
+        """``chat`` for asyncio: the event loop is never blocked."""
+        p = _merged(params, max_tokens, temperature, top_p, stop, seed)
+        async for item in self.astream(agent_id, messages, p, until=until):
             if isinstance(item, ChatResult):
                 return item
         raise RuntimeError("generation ended without a result")  # pragma: no cover
 
     async def astream(
-        self, agent_id: str | None, messages: Sequence[Message], **params: Any
-    ) -> AsyncIterator[str | ChatResult]:
+        self,
+        agent_id: str | None,
+        messages: Sequence[Message],
+        params: GenerationParams | None = None,
+        *,
+        max_tokens: int | None = None,
+        temperature: float | None = None,
+        top_p: float | None = None,
+        stop: str | Sequence[str] | None = None,
+        seed: int | None = None,
+        until: Callable[[str], int] | None = None,
+    ) -> AsyncGenerator[str | ChatResult, None]:
+        """``stream`` for asyncio: text chunks, then the final ``ChatResult``."""
+        p = _merged(params, max_tokens, temperature, top_p, stop, seed)
         loop = asyncio.get_running_loop()
-        inbox: asyncio.Queue = asyncio.Queue()
-        request = self._request(agent_id, messages, lambda x: loop.call_soon_threadsafe(inbox.put_nowait, x), **params)
+        inbox: asyncio.Queue[Event] = asyncio.Queue()
+
+        def emit(event: Event) -> None:
+            loop.call_soon_threadsafe(inbox.put_nowait, event)
+
+        request = self._request(_agent(agent_id), messages, emit, p, until=until)
         self._scheduler.submit(request)
         try:
             while True:
-                item = await inbox.get()
-                if isinstance(item, BaseException):
-                    raise item
+                item = _shown(await inbox.get())
                 yield item
                 if isinstance(item, ChatResult):
                     return
@@ -181,15 +217,19 @@ class Engine:
         Returns the next-token logits (float32) after the rendered prompt. Useful to
         warm an agent ahead of its turn, and to compare states exactly in tests.
         """
-        done: Future = Future()
+        done: Future[np.ndarray] = Future()
 
-        def emit(item: Any) -> None:
-            if not done.done():
-                (done.set_exception if isinstance(item, BaseException) else done.set_result)(item)
+        def emit(event: Event) -> None:
+            if done.done():
+                return
+            if isinstance(event, Failed):
+                done.set_exception(event.error)
+            elif isinstance(event, Prefilled):
+                done.set_result(event.logits)
 
-        request = self._request(agent_id, messages, emit, prefill_only=True)
+        request = self._request(_agent(agent_id), messages, emit, None)
         self._scheduler.submit(request)
-        return done.result()[0]
+        return done.result()
 
     def append(self, agent_id: str, messages: Sequence[Message]) -> Usage:
         """Carry the agent into its next phase: prefill new context without generating.
@@ -202,7 +242,7 @@ class Engine:
         """
         return self.prefill_ahead(agent_id, messages, background=False).result()
 
-    def prefill_ahead(self, agent_id: str, messages: Sequence[Message], *, background: bool = True) -> Future:
+    def prefill_ahead(self, agent_id: str, messages: Sequence[Message], *, background: bool = True) -> Future[Usage]:
         """Like ``append``, but queued at the lowest priority; returns a Future of ``Usage``.
 
         Background prefill runs one chunk at a time, only while no request waits for its
@@ -212,99 +252,42 @@ class Engine:
         tokens done so far. Meant for group chats: when a message is added to the shared
         history, queue it for the agents who will speak later.
         """
-        done: Future = Future()
+        done: Future[Usage] = Future()
 
-        def emit(item: Any) -> None:
+        def emit(event: Event) -> None:
             if done.done():
                 return
-            if isinstance(item, BaseException):
-                done.set_exception(item)
-            else:
+            if isinstance(event, Failed):
+                done.set_exception(event.error)
+            else:  # finished, stopped or superseded: the tokens computed so far
                 done.set_result(Usage(len(request.prompt), request.cached, 0))
 
-        request = self._request(validate_agent_id(agent_id), messages, emit, prefill_only=True)
+        request = self._request(validate_agent_id(agent_id), messages, emit, None)
         request.background = background
         self._scheduler.submit(request)
         return done
 
-    def fork(self, source: str, new_agent: str) -> dict:
-        """Start ``new_agent`` from a copy of ``source``'s cache, sharing its whole blocks.
-
-        The blocks are held once in RAM and on disk, copy-on-write, for every agent
-        forked from the same state (see ``kvshelf.kv.shared``); each agent's later
-        tokens are its own. Seed many agents from one preamble with
-        ``prefill(seed, preamble)`` and then ``fork(seed, name)`` for each.
-        """
-        src, dst = validate_agent_id(source), validate_agent_id(new_agent)
-        if src == dst:
-            raise ValueError("an agent cannot be forked onto itself")
-
-        def do_fork() -> dict:
-            sched = self._scheduler
-            sched.cancel_background(src)
-            sched.cancel_background(dst)
-            if sched.busy(src) or sched.busy(dst):
-                raise AgentBusy(f"agent {src if sched.busy(src) else dst!r} has a request in flight")
-            if dst in self.pool or self.store.path_for(dst).exists():
-                raise AgentExists(f"agent {dst!r} already has a cache; forget it first")
-            cache = self.pool.get(src)
-            if cache is None:
-                cache = self.load_record(src)
-                if cache is None:
-                    raise UnknownAgent(f"no cache for agent {src!r}")
-                self.pool.put(src, cache)
-            prefix = cache.share_prefix()
-            if prefix is not None:
-                live = self.shared.intern(prefix)
-                cache.adopt(live)
-            twin = cache.fork()
-            self.pool.put(dst, twin)
-            saves.extend((sched.save_behind(src, cache), sched.save_behind(dst, twin)))
-            sched.enforce_budget()
-            return {
-                "agent_id": dst,
-                "source": src,
-                "tokens": len(twin.tokens),
-                "shared_tokens": len(prefix.tokens) if prefix is not None else 0,
-                "shared_prefix": prefix.id if prefix is not None else None,
-            }
-
-        saves: list[Future] = []
-        info = self._scheduler.call(do_fork)
-        if self.durable:  # answered only once both records (and the prefix) are on disk
-            for save in saves:
-                save.result()
-        return info
-
     def _request(
         self,
-        agent_id: str | None,
+        aid: AgentId | None,
         messages: Sequence[Message],
-        emit: Any,
+        emit: Callable[[Event], None],
+        params: GenerationParams | None,
         *,
-        max_tokens: int = 256,
-        temperature: float = 0.0,
-        top_p: float = 1.0,
-        stop: str | Sequence[str] | None = None,
-        seed: int | None = None,
         until: Callable[[str], int] | None = None,
-        prefill_only: bool = False,
     ) -> Request:
-        """Validate everything in the caller's thread, so bad input fails fast and alone."""
+        """Build a request (``params`` None: prefill only) from input checked here, in the
+        caller's thread, so bad input fails fast and alone."""
         self._check_open()
-        aid = validate_agent_id(agent_id) if agent_id is not None else None
         prompt = self._encode(validate_messages(messages))
-        if max_tokens < 1:
-            raise ValueError("max_tokens must be at least 1")
-        stops = [stop] if isinstance(stop, str) else list(stop or [])
-        if any(not isinstance(s, str) or not s for s in stops):
-            raise ValueError("stop must be a non-empty string or a list of them")
-        sampler = None if prefill_only else Sampler(temperature, top_p, seed)
-        max_tokens = min(max_tokens, self.loaded.context_length - len(prompt))
-        return Request(aid, prompt, max_tokens, sampler, stops, emit, until=until)
+        if params is None:
+            return Request(aid, prompt, 1, None, [], emit)
+        sampler = Sampler(params.temperature, params.top_p, params.seed)
+        max_tokens = min(params.max_tokens, self.loaded.context_length - len(prompt))
+        return Request(aid, prompt, max_tokens, sampler, list(params.stop), emit, until=until)
 
     def _encode(self, messages: Sequence[Message]) -> list[int]:
-        prompt = self.tokenizer.encode_prompt(self.loaded.template.render(messages))
+        prompt = self.loaded.tokenizer.encode_prompt(self.loaded.template.render(messages))
         if len(prompt) >= self.loaded.context_length:
             raise ContextLengthExceeded(
                 f"the prompt is {len(prompt)} tokens; this model's context is {self.loaded.context_length}"
@@ -317,61 +300,41 @@ class Engine:
         return dict(self._scheduler.stats)
 
     # -- agents ---------------------------------------------------------------------------
+    def fork(self, source: str, new_agent: str) -> ForkResult:
+        """Start ``new_agent`` from a copy of ``source``'s cache, sharing its whole blocks.
+
+        The blocks are held once in RAM and on disk, copy-on-write, for every agent
+        forked from the same state (see ``kvshelf.kv.shared``); each agent's later
+        tokens are its own. Seed many agents from one preamble with
+        ``prefill(seed, preamble)`` and then ``fork(seed, name)`` for each. A durable
+        engine answers once both records (and the shared prefix) are on disk.
+        """
+        src, dst = validate_agent_id(source), validate_agent_id(new_agent)
+        if src == dst:
+            raise ValueError("an agent cannot be forked onto itself")
+        answered = self._scheduler.call(lambda: self._shelf.fork(src, dst), quiet=(src, dst))
+        return answered.result()
+
     def agents(self) -> list[AgentInfo]:
         """Every agent this engine knows, resident or on disk."""
-        return self._scheduler.call(self._agents_now)
+        return self._scheduler.call(self._shelf.agents)
 
-    def _agents_now(self) -> list[AgentInfo]:
-        out = []
-        for aid in sorted(set(self.pool) | set(self.store.agent_ids())):
-            cache = self.pool.get(aid)
-            out.append(
-                AgentInfo(
-                    agent_id=aid,
-                    tokens=len(cache.tokens) if cache else self.store.token_count(aid),
-                    ram_bytes=cache.nbytes if cache else 0,
-                    disk_bytes=self.store.size_on_disk(aid),
-                    last_used=self.pool.last_used.get(aid) or self.store.mtime(aid),
-                    resident=cache is not None,
-                )
-            )
-        return out
+    def shared_prefixes(self) -> dict[str, list[str]]:
+        """Every shared prefix on disk, with the agents whose records start on it.
 
-    def forget(self, agent_id: str) -> dict:
+        A prefix is the whole blocks that ``fork`` made shared: stored once, however
+        many agents use it, and deleted with its last user."""
+        return self._scheduler.call(self._shelf.shared_prefixes)
+
+    def forget(self, agent_id: str) -> ForgetResult:
         """Erase an agent from RAM and disk. Returns what was removed."""
         aid = validate_agent_id(agent_id)
-
-        def erase() -> dict:
-            self._scheduler.cancel_background(aid)
-            if self._scheduler.busy(aid):
-                raise AgentBusy(f"agent {aid!r} has a request in flight")
-            self._scheduler.wait_saved(aid)
-            cache = self.pool.pop(aid)
-            self.pool.last_used.pop(aid, None)
-            self.unsaved.discard(aid)
-            self._scheduler.forget(aid)
-            removed = self.store.delete(aid)
-            removed += self.shared.release(aid)  # its prefix markers; a prefix with no users left
-            return {
-                "agent_id": aid,
-                "ram_bytes_freed": cache.nbytes if cache else 0,
-                "tokens_freed": len(cache.tokens) if cache else 0,
-                "files_removed": [str(p) for p in removed],
-            }
-
-        return self._scheduler.call(erase)
+        return self._scheduler.call(lambda: self._shelf.forget(aid), quiet=(aid,))
 
     def evict(self, agent_id: str) -> bool:
         """Drop an agent from RAM once its record is safely on disk."""
         aid = validate_agent_id(agent_id)
-
-        def drop() -> bool:
-            if self._scheduler.busy(aid) or aid not in self.pool or not self._scheduler.wait_saved(aid):
-                return False
-            self.pool.pop(aid)
-            return True
-
-        return self._scheduler.call(drop)
+        return self._scheduler.call(lambda: self._shelf.evict(aid))
 
     def flush(self) -> list[str]:
         """Wait for pending saves, and retry any that failed earlier (e.g. on a full disk).
@@ -380,16 +343,7 @@ class Engine:
         failed saves are also retried on their own, with backoff, but only a caller that
         checks this knows that what it was told is durable.
         """
-
-        def retry() -> list[str]:
-            for aid in sorted(self.unsaved):
-                cache = self.pool.get(aid)
-                if cache is not None and not self._scheduler.busy(aid):
-                    self._scheduler.save_behind(aid, cache)
-            self._scheduler.wait_all_saves()
-            return sorted(self.unsaved)
-
-        return self._scheduler.call(retry)
+        return self._scheduler.call(self._shelf.flush)
 
     def close(self) -> None:
         """Finish requests in flight, flush pending saves, and stop."""
@@ -409,35 +363,32 @@ class Engine:
         if self._closed:
             raise KVShelfError("this engine is closed")
 
-    def write_record(self, aid: str, record: CacheRecord, prefix: SharedPrefix | None) -> None:
-        """Write an agent's record (on the I/O thread), and its shared prefix first if it
-        has one: prefix file, then this agent's user marker, then the record, then the
-        markers it no longer needs. A crash between steps leaves at most an unused prefix."""
-        try:
-            if prefix is not None:
-                self.shared.ensure_saved(prefix)
-                self.shared.add_user(prefix.id, aid)
-            self.store.save(aid, record)
-            self.shared.release(aid, keep=prefix.id if prefix is not None else None)
-        except StorageError:
-            raise
-        except OSError as exc:
-            raise StorageError(exc.errno or 0, f"could not write the shared prefix of agent {aid!r}: {exc}") from exc
 
-    def load_record(self, aid: str) -> AgentCache | None:
-        """Read and verify an agent's record (runs on the I/O thread); None if unusable."""
-        record = self.store.load(aid)
-        if record is None:
-            return None
-        try:
-            prefix = None
-            if (pid := record.meta.get("shared_prefix")) is not None:
-                prefix = self.shared.get(pid)
-                if prefix is None:
-                    raise ValueError(f"its shared prefix {pid!r} is missing or unreadable")
-            cache = AgentCache.from_record_parts(self.spec, record.tokens, record.tensors, record.meta, prefix)
-        except (ValueError, KeyError) as exc:
-            self.store.quarantine(aid, f"record does not fit this model: {exc}")
-            return None
-        mx.eval(cache.arrays())  # MLX streams are per thread: materialise here, use on the worker
-        return cache
+def _agent(agent_id: str | None) -> AgentId | None:
+    return validate_agent_id(agent_id) if agent_id is not None else None
+
+
+def _merged(
+    params: GenerationParams | None,
+    max_tokens: int | None,
+    temperature: float | None,
+    top_p: float | None,
+    stop: str | Sequence[str] | None,
+    seed: int | None,
+) -> GenerationParams:
+    """``params`` (or the defaults) with the fields a caller gave as keywords replaced."""
+    base = params if params is not None else GenerationParams()
+    given = {"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p, "stop": stop, "seed": seed}
+    changes: dict[str, Any] = {k: v for k, v in given.items() if v is not None}
+    return replace(base, **changes) if changes else base
+
+
+def _shown(event: Event) -> str | ChatResult:
+    """What a stream yields for an event: text, the final result, or the error raised."""
+    if isinstance(event, Text):
+        return event.text
+    if isinstance(event, Finished):
+        return event.result
+    if isinstance(event, Failed):
+        raise event.error
+    raise RuntimeError(f"a chat stream got {event!r}")  # pragma: no cover

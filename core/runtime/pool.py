@@ -2,9 +2,9 @@
 
 Blocks are owned by agents (``AgentCache``), so the pool counts real bytes: each
 agent's allocated 256-token blocks, and each shared prefix (``kvshelf.kv.shared``)
-once, however many resident agents start on it. When the total passes the budget, the least
-recently used agents are spilled (saved by the engine, then dropped), which frees
-their blocks for real.
+once, however many resident agents start on it. When the total passes the budget, the
+least recently used agents are spilled (saved by the shelf, ``kvshelf.runtime.shelf``,
+then dropped), which frees their blocks for real. Only the shelf uses this container.
 """
 
 from __future__ import annotations

@@ -43,3 +43,25 @@ class AgentInfo:
     disk_bytes: int
     last_used: float | None
     resident: bool
+
+
+@dataclass
+class ForkResult:
+    """What ``Engine.fork`` made: the new agent, and how much of it is shared."""
+
+    agent_id: str
+    source: str
+    tokens: int
+    shared_tokens: int
+    """Tokens in the shared prefix (whole blocks, held once for every agent on it)."""
+    shared_prefix: str | None
+
+
+@dataclass
+class ForgetResult:
+    """What ``Engine.forget`` erased: RAM freed and every file removed."""
+
+    agent_id: str
+    ram_bytes_freed: int
+    tokens_freed: int
+    files_removed: list[str]

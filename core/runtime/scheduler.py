@@ -7,9 +7,11 @@ One worker thread owns the model and every cache. Each step it
 2. runs one prefill call (at most ``prefill_chunk`` tokens) for the oldest request
    still prefilling, so a long prompt never stalls decoding agents by more than a chunk;
 3. runs one batched decode step for every agent that is generating.
-Finished agents are saved behind, on the I/O thread, from a snapshot of their blocks.
-Control calls (listing, erasing, evicting agents) run on the worker between steps, so
-no lock guards the caches: only the worker touches them.
+Every agent's cache is borrowed from the shelf (``kvshelf.runtime.shelf``), which owns
+residency, restoring, saving and the budget, and handed back to it when the request
+ends. Control calls (listing, forking, erasing, evicting agents) run on the worker
+between steps, so no lock guards the caches: only the worker touches them. The loop
+knows nothing of the engine in front of it: it is built from the model and the shelf.
 """
 
 from __future__ import annotations
@@ -20,20 +22,23 @@ import queue
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Literal, TypeVar
 
 import mlx.core as mx
 import numpy as np
 
-from kvshelf.errors import StorageError
 from kvshelf.kv.agent_cache import AgentCache
 from kvshelf.kv.batch import batch_views
-from kvshelf.kv.record import CacheRecord
-from kvshelf.runtime.results import ChatResult, Usage
+from kvshelf.model.loader import LoadedModel
+from kvshelf.runtime.events import Event, Failed, Finished, Prefilled, Stopped, Text
+from kvshelf.runtime.iothread import release_mlx_thread
+from kvshelf.runtime.results import CacheSource, ChatResult, Usage
 from kvshelf.runtime.sampling import Sampler
+from kvshelf.runtime.shelf import Shelf
+from kvshelf.storage.agent_id import AgentId
 
 log = logging.getLogger(__name__)
 
@@ -41,12 +46,7 @@ log = logging.getLogger(__name__)
 # separate call for the last token); a longer one is chunked, then its last token.
 FINAL_CALL_MAX_TOKENS = 32
 
-# A save that failed (full disk, lost permissions) is retried on its own, first after
-# RETRY_FIRST_S, then at doubling intervals up to RETRY_MAX_S, so a disk that frees up
-# gets the agents back on it without anyone calling flush(), and a disk that stays
-# full costs one attempt (and one logged error) per agent a minute.
-RETRY_FIRST_S = 1.0
-RETRY_MAX_S = 60.0
+T = TypeVar("T")
 
 
 def forward_plan(n: int, chunk: int) -> list[int]:
@@ -68,50 +68,8 @@ def held_back(text: str, stops: list[str]) -> int:
     return hold
 
 
-def _release_mlx_thread() -> None:
-    """MLX streams belong to threads; a thread must drain and drop its own before it ends."""
-    mx.synchronize()
-    mx.clear_streams()
-
-
-class IOThread:
-    """One background thread for record reads and writes (a tiny executor).
-
-    Not a ``ThreadPoolExecutor``: its thread must release its MLX streams on the way
-    out, or the process aborts at exit.
-    """
-
-    def __init__(self, name: str):
-        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
-
-    def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
-        fut: Future = Future()
-        self._jobs.put((fut, fn, args))
-        return fut
-
-    def shutdown(self) -> None:
-        self._jobs.put(None)
-        self._thread.join()
-
-    def _run(self) -> None:
-        while (job := self._jobs.get()) is not None:
-            fut, fn, args = job
-            if fut.set_running_or_notify_cancel():
-                try:
-                    fut.set_result(fn(*args))
-                except BaseException as exc:
-                    fut.set_exception(exc)
-                mx.synchronize()
-            # Drop the finished job now, not when the next one comes: its arguments (a
-            # save's snapshot of an agent's blocks) must not outlive it, e.g. an erasure.
-            del job, fut, fn, args
-        _release_mlx_thread()
-
-
 def _close_at_exit(scheduler: Scheduler) -> None:
-    """Flush and stop a scheduler that was never closed, before the interpreter exits.
+    """Stop a scheduler (and its shelf) that was never closed, before the interpreter exits.
 
     MLX streams belong to threads; a thread torn down with work on its stream aborts
     the process. ``threading``'s own exit hooks run before daemon threads are killed
@@ -134,12 +92,12 @@ def _close_at_exit(scheduler: Scheduler) -> None:
 class Request:
     """One chat (or prefill-only) request and its progress through the loop."""
 
-    agent_id: str | None
+    agent_id: AgentId | None
     prompt: list[int]
     max_tokens: int
     sampler: Sampler | None  # None: prefill only, the result is the next-token logits
     stops: list[str]
-    emit: Callable[[Any], None]
+    emit: Callable[[Event], None]
     t0: float = field(default_factory=time.perf_counter)
     cancelled: bool = False
     background: bool = False  # prefill ahead: lowest priority, superseded by any later request
@@ -147,7 +105,7 @@ class Request:
     cache: AgentCache | None = None
     restoring: Future | None = None
     planned: bool = False
-    source: str = "cold"
+    source: CacheSource = "cold"
     cached: int = 0
     todo: list[int] = field(default_factory=list)
     plan: list[int] = field(default_factory=list)
@@ -156,25 +114,24 @@ class Request:
     text: str = ""
     emitted: int = 0
     ttft: float | None = None
-    finish: str = "length"
+    finish: Literal["stop", "length"] = "length"
 
 
 class Scheduler:
-    """Runs the step loop for an engine."""
+    """Runs the step loop: the model over the caches the shelf lends it."""
 
-    def __init__(self, engine: Any):
-        self.engine = engine
+    def __init__(self, loaded: LoadedModel, shelf: Shelf, *, prefill_chunk: int = 256):
+        self._model = loaded.forward
+        self._tokenizer = loaded.tokenizer
+        self._template_stops = list(loaded.template.stop_strings)
+        self._shelf = shelf
+        self._prefill_chunk = prefill_chunk
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._waiting: list[Request] = []
         self._prefilling: list[Request] = []
         self._decoding: list[Request] = []
-        self._busy: set[str] = set()
-        self._saves: dict[str, Future] = {}
-        self._io = IOThread("kvshelf-io")
         self._stopping = False
         self._closed = False
-        self._retry_delay = RETRY_FIRST_S
-        self._retry_at = 0.0
         self.stats = {"decode_steps": 0, "decoded_tokens": 0, "max_batch": 0, "prefill_calls": 0, "background_calls": 0}
         self._thread = threading.Thread(target=self._run, name="kvshelf-scheduler", daemon=True)
         self._thread.start()
@@ -184,26 +141,31 @@ class Scheduler:
     def submit(self, request: Request) -> None:
         self._inbox.put(request)
 
-    def call(self, fn: Callable[[], Any]) -> Any:
-        """Run ``fn`` on the worker between steps and return its result."""
-        if threading.current_thread() is self._thread:
+    def call(self, fn: Callable[[], T], *, quiet: Sequence[AgentId] = ()) -> T:
+        """Run ``fn`` on the worker between steps and return its result.
+
+        ``quiet``: agents whose prefill-ahead work stops first (keeping what it
+        computed), so a control call on them is not refused for background work."""
+
+        def run() -> T:
+            for aid in quiet:
+                self._cancel_background(aid)
             return fn()
+
+        if threading.current_thread() is self._thread:
+            return run()
         done: Future = Future()
-        self._inbox.put((fn, done))
+        self._inbox.put((run, done))
         return done.result()
 
-    def busy(self, aid: str) -> bool:
-        """True while ``aid`` has a request admitted (worker thread only)."""
-        return aid in self._busy
-
     def close(self) -> None:
-        """Finish admitted work, wait for every save, stop both threads."""
+        """Finish admitted work, then stop the worker, which closes the shelf (every save
+        ends, then the I/O thread stops)."""
         if self._closed:
             return
         self._closed = True
         self._inbox.put(None)
         self._thread.join()
-        self._io.shutdown()
 
     # -- the loop ------------------------------------------------------------------------
     def _run(self) -> None:
@@ -217,7 +179,7 @@ class Scheduler:
             # hold the GIL and slow the very I/O thread being waited on.
             self._drain(timeout=0.5 if idle else (0.0 if worked else 0.002))
             try:
-                self._retry_unsaved()
+                self._shelf.retry_unsaved()
                 self._admit()
                 prefilled = self._prefill_step()
                 worked = self._decode_step() or prefilled
@@ -225,9 +187,8 @@ class Scheduler:
                 log.exception("scheduler step failed")
                 for r in self._prefilling + self._decoding:
                     self._fail(r, exc)
-        for fut in list(self._saves.values()):
-            fut.exception()
-        _release_mlx_thread()
+        self._shelf.close()
+        release_mlx_thread()
 
     def _drain(self, timeout: float) -> None:
         try:
@@ -239,7 +200,7 @@ class Scheduler:
                 self._stopping = True
             elif isinstance(item, Request):
                 if item.agent_id is not None:
-                    self.cancel_background(item.agent_id)  # the newer request takes over
+                    self._cancel_background(item.agent_id)  # the newer request takes over
                 self._waiting.append(item)
             else:
                 fn, done = item
@@ -258,45 +219,38 @@ class Scheduler:
             if r.cancelled:
                 self._waiting.remove(r)
                 if r.background:
-                    r.emit(None)  # resolves its Future: nothing was computed
+                    r.emit(Stopped())  # resolves its Future: nothing was computed
                 continue
             aid = r.agent_id
-            if aid is not None:
-                save = self._saves.get(aid)
-                if aid in self._busy or aid in blocked or (save is not None and not save.done()):
-                    blocked.add(aid)  # keeps this agent's later requests behind this one
-                    continue
-                self._busy.add(aid)
+            if aid is not None and (aid in blocked or not self._shelf.can_lend(aid)):
+                blocked.add(aid)  # keeps this agent's later requests behind this one
+                continue
             self._waiting.remove(r)
             self._start(r)
             self._prefilling.append(r)
 
     def _start(self, r: Request) -> None:
-        eng = self.engine
         aid = r.agent_id
         if aid is None:
-            r.cache, r.source = AgentCache.empty(eng.spec, eng.scheme), "none"
-        elif (cache := eng.pool.get(aid)) is not None:
+            r.cache, r.source = self._shelf.new_cache(), "none"
+        elif (cache := self._shelf.lend(aid)) is not None:
             r.cache, r.source = cache, "hot"
         else:  # prefetch: read and verify the record on the I/O thread while others decode
-            r.restoring = self._io.submit(eng.load_record, aid)
+            r.restoring = self._shelf.restore(aid)
 
     def _ready(self, r: Request) -> bool:
         """True once ``r`` has its cache (restored, if it was on disk) and a prefill plan."""
         if r.restoring is not None:
             if not r.restoring.done():
                 return False
-            cache = r.restoring.result()  # load_record quarantines bad records itself
+            cache = r.restoring.result()  # the shelf quarantines bad records itself
             r.restoring = None
-            r.cache, r.source = (
-                (cache, "warm")
-                if cache is not None
-                else (AgentCache.empty(self.engine.spec, self.engine.scheme), "cold")
-            )
+            r.cache, r.source = (cache, "warm") if cache is not None else (self._shelf.new_cache(), "cold")
         if not r.planned:
+            assert r.cache is not None
             r.cached = r.cache.reuse_prefix(r.prompt)
             r.todo = r.prompt[r.cached :]
-            chunk = self.engine.prefill_chunk
+            chunk = self._prefill_chunk
             # prefill ahead needs no logits, so no separate last call either
             r.plan = (
                 [min(chunk, len(r.todo) - i) for i in range(0, len(r.todo), chunk)]
@@ -326,11 +280,12 @@ class Scheduler:
             except Exception as exc:  # the record could not be read at all
                 self._fail(r, exc)
                 return True
+            assert r.cache is not None
             n = r.plan.pop(0)
             self.stats["prefill_calls"] += 1
             self.stats["background_calls"] += r.background
             ids, r.todo = r.todo[:n], r.todo[n:]
-            out = self.engine.model(mx.array(ids)[None], cache=r.cache.layers)
+            out = self._model(mx.array(ids)[None], cache=r.cache.layers)
             r.cache.tokens.extend(ids)
             if r.plan:
                 mx.eval(r.cache.arrays())
@@ -339,7 +294,7 @@ class Scheduler:
                 mx.eval(r.cache.arrays())
                 self._prefilling.remove(r)
                 self._complete(r, emit_result=False)
-                r.emit(None)
+                r.emit(Stopped())
                 return True
             logits = out[0, -1]
             mx.eval(logits, r.cache.arrays())
@@ -347,7 +302,7 @@ class Scheduler:
             if r.sampler is None:
                 result = np.array(logits.astype(mx.float32))
                 self._complete(r, emit_result=False)
-                r.emit((result, r.cached))
+                r.emit(Prefilled(result, r.cached))
             else:
                 self._accept(r, logits)
             return True
@@ -365,31 +320,29 @@ class Scheduler:
         self.stats["decoded_tokens"] += len(batch)
         self.stats["max_batch"] = max(self.stats["max_batch"], len(batch))
         x = mx.array([[r.next_token] for r in batch])
-        if len(batch) == 1:
-            caches: list = batch[0].cache.layers
-        else:
-            caches = batch_views([r.cache.layers for r in batch])
-        logits = self.engine.model(x, cache=caches)[:, -1]
-        mx.eval(logits, [a for r in batch for a in r.cache.arrays()])
+        held = [_cache_of(r) for r in batch]
+        caches: list = held[0].layers if len(batch) == 1 else batch_views([c.layers for c in held])
+        logits = self._model(x, cache=caches)[:, -1]
+        mx.eval(logits, [a for c in held for a in c.arrays()])
         for b, r in enumerate(batch):
-            r.cache.tokens.append(r.next_token)
+            held[b].tokens.append(r.next_token)  # type: ignore[arg-type]
             self._accept(r, logits[b])
         return True
 
     # -- per-token bookkeeping ------------------------------------------------------------
     def _accept(self, r: Request, logits: mx.array) -> None:
         """Sample the next token, stream text, and decide whether ``r`` goes on."""
-        eng = self.engine
-        token = int(r.sampler(logits).item())
+        assert r.sampler is not None
+        token = int(r.sampler(logits))
         if r.ttft is None:
             r.ttft = time.perf_counter() - r.t0
-        stops = r.stops + list(eng.loaded.template.stop_strings)
-        done = token in eng.tokenizer.stop_ids
+        stops = r.stops + self._template_stops
+        done = token in self._tokenizer.stop_ids
         if done:
             r.finish = "stop"
         else:
             r.generated.append(token)
-            r.text = eng.tokenizer.decode(r.generated)
+            r.text = self._tokenizer.decode(r.generated)
             cut = min((i for i in (r.text.find(s) for s in stops) if i >= 0), default=-1)
             if r.until is not None and (end := r.until(r.text)) >= 0:
                 cut = end if cut < 0 else min(cut, end)
@@ -400,7 +353,7 @@ class Scheduler:
             else:
                 safe = len(r.text) - held_back(r.text, stops)
                 if safe > r.emitted and not r.text[:safe].endswith("\ufffd"):
-                    r.emit(r.text[r.emitted : safe])
+                    r.emit(Text(r.text[r.emitted : safe]))
                     r.emitted = safe
         if r in self._decoding and done:
             self._decoding.remove(r)
@@ -411,131 +364,58 @@ class Scheduler:
         r.next_token = token
 
     def _complete(self, r: Request, emit_result: bool = True) -> None:
-        """Hand the agent's cache back (pool, save, budget), then tell the caller.
+        """Hand the agent's cache back to the shelf (which keeps, saves and spills it),
+        then tell the caller.
 
-        A durable engine hands the result over only once the turn's save has ended (from
-        the I/O thread, so the step loop never waits on the disk), with ``saved`` saying
-        whether the record on disk now holds the turn.
+        A durable shelf has the result handed over only once the turn's save has ended
+        (from the I/O thread, so the step loop never waits on the disk), with ``saved``
+        saying whether the record on disk now holds the turn.
         """
-        saving = self._release(r)
-        if emit_result:
-            if len(r.text) > r.emitted:
-                r.emit(r.text[r.emitted :])
-            result = ChatResult(
-                text=r.text,
-                finish_reason=r.finish,  # type: ignore[arg-type]
-                usage=Usage(len(r.prompt), r.cached, len(r.generated)),
-                ttft_s=r.ttft or 0.0,
-                total_s=time.perf_counter() - r.t0,
-                cache=r.source,  # type: ignore[arg-type]
-                agent_id=r.agent_id,
-                token_ids=r.generated,
-            )
-            if self.engine.durable and r.agent_id is not None:
-                if saving is None:  # the cache was dropped, not saved: the old record stands
-                    r.emit(replace(result, saved=False))
-                else:
-                    emit = r.emit  # not r: a done future keeps its callbacks, which must not keep the cache
-                    saving.add_done_callback(
-                        lambda f: emit(replace(result, saved=f.exception() is None and bool(f.result())))
-                    )
-            else:
-                r.emit(result)
+        settled = self._shelf.give_back(r.agent_id, r.cache) if r.agent_id is not None else None
+        if not emit_result:
+            return
+        if len(r.text) > r.emitted:
+            r.emit(Text(r.text[r.emitted :]))
+        result = ChatResult(
+            text=r.text,
+            finish_reason=r.finish,
+            usage=Usage(len(r.prompt), r.cached, len(r.generated)),
+            ttft_s=r.ttft or 0.0,
+            total_s=time.perf_counter() - r.t0,
+            cache=r.source,
+            agent_id=r.agent_id,
+            token_ids=r.generated,
+        )
+        if settled is None:
+            r.emit(Finished(result))
+        else:
+            emit = r.emit  # not r: a done future keeps its callbacks, which must not keep the cache
+            settled.add_done_callback(lambda f: emit(Finished(replace(result, saved=f.result()))))
 
     def _fail(self, r: Request, exc: BaseException) -> None:
         for group in (self._prefilling, self._decoding):
             if r in group:
                 group.remove(r)
         if r.agent_id is not None:
-            self.engine.pool.pop(r.agent_id)  # possibly half-updated: never reuse it
-            self._busy.discard(r.agent_id)
-        r.emit(exc)
+            self._shelf.drop(r.agent_id)  # possibly half-updated: never reuse it
+        r.emit(Failed(exc))
 
-    def _release(self, r: Request) -> Future | None:
-        """Return the agent's cache to the pool and start its save; the save, if any."""
-        aid = r.agent_id
-        if aid is None:
-            return None
-        self._busy.discard(aid)
-        cache = r.cache
-        if cache is None:
-            return None
-        if any(c.offset != len(cache.tokens) for c in cache.layers):
-            log.warning("agent %s: interrupted mid-forward; dropping its RAM cache", aid)
-            self.engine.pool.pop(aid)
-            return None
-        self.engine.pool.put(aid, cache)
-        saving = self.save_behind(aid, cache)
-        self.enforce_budget()
-        return saving
-
-    # -- saving and the budget (worker thread) ---------------------------------------------
-    def save_behind(self, aid: str, cache: AgentCache) -> Future:
-        """Snapshot the agent's blocks now; write them on the I/O thread."""
-        tensors, meta = cache.to_record_parts()
-        mx.eval(list(tensors.values()))
-        record = CacheRecord(tokens=list(cache.tokens), tensors=tensors, meta=meta)
-        fut = self._io.submit(self._write, aid, record, cache.shared)
-        self._saves[aid] = fut
-        return fut
-
-    def _write(self, aid: str, record: CacheRecord, prefix: Any = None) -> bool:
-        try:
-            self.engine.write_record(aid, record, prefix)
-        except StorageError as exc:
-            log.error("could not save agent %s; keeping it in RAM and retrying later: %s", aid, exc)
-            self.engine.unsaved.add(aid)
-            return False
-        self.engine.unsaved.discard(aid)
-        return True
-
-    def _retry_unsaved(self) -> None:
-        """Save again, with backoff, the resident agents whose last save failed."""
-        eng = self.engine
-        if not eng.unsaved:
-            self._retry_delay = RETRY_FIRST_S
-            return
-        now = time.monotonic()
-        if now < self._retry_at:
-            return
-        for aid in sorted(eng.unsaved):
-            cache, save = eng.pool.get(aid), self._saves.get(aid)
-            if cache is not None and aid not in self._busy and (save is None or save.done()):
-                self.save_behind(aid, cache)
-        self._retry_at = now + self._retry_delay
-        self._retry_delay = min(2 * self._retry_delay, RETRY_MAX_S)
-
-    def cancel_background(self, aid: str) -> None:
+    def _cancel_background(self, aid: AgentId) -> None:
         """Stop ``aid``'s prefill-ahead work now, keeping what it computed (worker thread)."""
         for r in [r for r in self._waiting if r.background and r.agent_id == aid]:
             self._waiting.remove(r)
-            r.emit(None)
+            r.emit(Stopped())
         for r in [r for r in self._prefilling if r.background and r.agent_id == aid]:
             r.cancelled = True
             self._prefilling.remove(r)
             if r.restoring is not None:  # never got its cache: nothing to hand back
-                self._busy.discard(aid)
-                r.emit(None)
+                self._shelf.unlend(aid)
+                r.emit(Stopped())
             else:
                 self._complete(r)
 
-    def forget(self, aid: str) -> None:
-        """Drop every trace of ``aid`` from the scheduler's bookkeeping (its save has ended)."""
-        self._saves.pop(aid, None)
 
-    def wait_saved(self, aid: str) -> bool:
-        fut = self._saves.get(aid)
-        return True if fut is None else bool(fut.result())
-
-    def wait_all_saves(self) -> None:
-        for fut in list(self._saves.values()):
-            fut.result()
-
-    def enforce_budget(self) -> None:
-        pool = self.engine.pool
-        for victim in pool.over_budget_victims():
-            if victim in self._busy:
-                continue
-            if not self.wait_saved(victim) and not self.save_behind(victim, pool.get(victim)).result():
-                continue  # never drop state that is not safely on disk
-            pool.pop(victim)
+def _cache_of(r: Request) -> AgentCache:
+    """The cache of a request past its prefill (always set by then)."""
+    assert r.cache is not None
+    return r.cache

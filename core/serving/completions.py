@@ -16,21 +16,20 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from kvshelf.errors import InvalidAgentId, KVShelfError
-from kvshelf.runtime.engine import AgentBusy, AgentExists, ChatResult, ContextLengthExceeded, Engine, UnknownAgent
+from kvshelf.errors import InvalidAgentId
+from kvshelf.runtime.engine import ChatResult, Engine
+from kvshelf.runtime.params import GenerationParams
 from kvshelf.serving import json_mode, tools
+from kvshelf.serving.errors_http import bad_request, error_body, error_response
 from kvshelf.serving.openai_api import (
-    ApiError,
     ChatCompletionRequest,
     NamedToolChoice,
-    bad_request,
     chunk_body,
     completion_body,
     completion_id,
-    error_body,
     usage_body,
 )
-from kvshelf.storage.agent_id import validate_agent_id
+from kvshelf.storage.agent_id import AgentId
 
 log = logging.getLogger(__name__)
 
@@ -40,31 +39,9 @@ def model_id(engine: Engine) -> str:
     return re.sub(r"[^A-Za-z0-9._:/-]+", "-", engine.loaded.name).strip("-") or "kvshelf"
 
 
-def engine_error(exc: BaseException) -> ApiError:
-    """What a client is told when the engine refuses or fails a request."""
-    if isinstance(exc, ApiError):
-        return exc
-    if isinstance(exc, ContextLengthExceeded):
-        return bad_request(f"{exc}. Shorten the messages, or start a new agent.", "messages", "context_length_exceeded")
-    if isinstance(exc, InvalidAgentId):
-        return bad_request(str(exc), None, "invalid_agent_id")
-    if isinstance(exc, ValueError):
-        return bad_request(str(exc))
-    if isinstance(exc, UnknownAgent):
-        return ApiError(404, error_body(f"{exc}.", param="agent_id", code="agent_not_found"))
-    if isinstance(exc, AgentExists):
-        return ApiError(409, error_body(f"{exc}.", code="agent_exists"))
-    if isinstance(exc, AgentBusy):
-        return ApiError(409, error_body(f"{exc}; try again when it has finished.", code="agent_busy"))
-    if isinstance(exc, KVShelfError):
-        return ApiError(503, error_body(str(exc), "server_error", code="unavailable"))
-    log.error("request failed: %s", type(exc).__name__, exc_info=exc)
-    return ApiError(500, error_body("The server had an internal error; see its log.", "server_error"))
-
-
 @dataclass
 class Turn:
-    agent_id: str | None
+    agent_id: AgentId | None  # validated where it entered (header, body, path or adapter)
     messages: list[dict[str, Any]]
     opening: str  # what the model's turn starts with (forced call, JSON object)
     tool_names: list[str]  # parse tool calls out of the reply when non-empty
@@ -73,12 +50,14 @@ class Turn:
     options: dict[str, Any]  # Engine.stream keyword arguments
 
 
-def _agent_id(req: ChatCompletionRequest, header: str | None) -> str | None:
+def _agent_id(req: ChatCompletionRequest, header: str | None) -> AgentId | None:
+    """The agent a request names: the header, else the body's ``user``, validated here,
+    once; an ``AgentId`` (an adapter's, already valid) is passed through unchecked."""
     value, param = (header, "X-Agent-Id") if header is not None else (req.user, "user")
     if value is None:
         return None
     try:
-        return validate_agent_id(value)
+        return AgentId(value)
     except InvalidAgentId as exc:
         raise bad_request(
             f"{exc}. The X-Agent-Id header (or else the body's 'user') names the agent whose cache is used.",
@@ -87,8 +66,12 @@ def _agent_id(req: ChatCompletionRequest, header: str | None) -> str | None:
         ) from None
 
 
-def prepare(req: ChatCompletionRequest, header_agent: str | None, default_max_tokens: int) -> Turn:
-    """Resolve identity, render tools and JSON mode into the messages, pick engine options."""
+def prepare(req: ChatCompletionRequest, header_agent: str | None, defaults: GenerationParams | None = None) -> Turn:
+    """Resolve identity, render tools and JSON mode into the messages, pick engine options.
+
+    A sampling field the request leaves out takes its value from ``defaults``
+    (``GenerationParams()`` unless given), the same for the server and the adapters."""
+    defaults = defaults or GenerationParams()
     agent_id = _agent_id(req, header_agent)
     offered = req.tools or []
     names = [t.function.name for t in offered]
@@ -115,16 +98,16 @@ def prepare(req: ChatCompletionRequest, header_agent: str | None, default_max_to
     if opening:
         messages.append({"role": "assistant", "content": opening, "prefix": True})
     options: dict[str, Any] = {
-        "max_tokens": req.max_completion_tokens or req.max_tokens or default_max_tokens,
-        "temperature": 1.0 if req.temperature is None else req.temperature,  # OpenAI's defaults
-        "top_p": 1.0 if req.top_p is None else req.top_p,
+        "max_tokens": req.max_completion_tokens or req.max_tokens or defaults.max_tokens,
+        "temperature": defaults.temperature if req.temperature is None else req.temperature,
+        "top_p": defaults.top_p if req.top_p is None else req.top_p,
         "stop": req.stop,
         "seed": req.seed,
     }
     if want_json and not use_tools:
         options["until"] = json_mode.end_of_object(opening)
-    elif use_tools and opening:  # a forced call is one call: stop where its object closes
-        options["until"] = json_mode.end_of_object(opening.removeprefix(tools.OPEN))
+    elif use_tools and opening:  # a forced call is one call: stop where it ends
+        options["until"] = tools.end_of_call(opening)
     return Turn(agent_id, messages, opening, names if use_tools else [], want_json, req.parallel_tool_calls, options)
 
 
@@ -246,5 +229,5 @@ async def events(
     except StopAsyncIteration:
         yield sse(error_body("Generation was stopped (the server is shutting down).", "server_error"))
     except Exception as exc:  # headers are sent: the error goes in the stream
-        yield sse(engine_error(exc).body)
+        yield sse(error_response(exc)[1])
     yield sse("[DONE]")

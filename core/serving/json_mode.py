@@ -25,7 +25,7 @@ OPENING = "{"
 
 
 def wants_json(response_format: Mapping[str, Any] | None) -> bool:
-    return bool(response_format) and response_format.get("type") in ("json_object", "json_schema")  # type: ignore[union-attr]
+    return response_format is not None and response_format.get("type") in ("json_object", "json_schema")
 
 
 def instruction(response_format: Mapping[str, Any]) -> str:

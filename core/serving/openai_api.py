@@ -17,7 +17,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from kvshelf.errors import ApiError
 from kvshelf.model.template import message_text
+from kvshelf.serving.errors_http import bad_request
 
 Role = Literal["system", "developer", "user", "assistant", "tool"]
 
@@ -155,24 +157,6 @@ class AppendRequest(ChatCompletionRequest):
 
 
 # -- errors ------------------------------------------------------------------------------
-class ApiError(Exception):
-    """An error answered with ``status`` and an OpenAI error body."""
-
-    def __init__(self, status: int, body: dict) -> None:
-        super().__init__(body["error"]["message"])
-        self.status, self.body = status, body
-
-
-def bad_request(message: str, param: str | None = None, code: str | None = None) -> ApiError:
-    return ApiError(400, error_body(message, param=param, code=code))
-
-
-def error_body(
-    message: str, type_: str = "invalid_request_error", param: str | None = None, code: str | None = None
-) -> dict:
-    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
-
-
 _FIELD = re.compile(r"^[a-z_][a-z0-9_]*$")
 _TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict"})
 
@@ -199,12 +183,13 @@ _CODES = {
 }
 
 
-def validation_error_body(errors: Sequence[dict[str, Any]]) -> dict:
-    """The first of pydantic's errors as an OpenAI error object."""
-    err = errors[0] if errors else {"loc": (), "msg": "invalid request", "type": ""}
+def invalid_request(errors: Sequence[Any]) -> ApiError:
+    """The first of pydantic's errors (a body FastAPI or the in-process backend refused)
+    as a 400 that names the offending parameter."""
+    err: dict[str, Any] = errors[0] if errors else {"loc": (), "msg": "invalid request", "type": ""}
     kind = str(err.get("type", ""))
     if kind == "json_invalid":
-        return error_body(
+        return bad_request(
             "We could not parse the JSON body of your request. Send a JSON object "
             f"(Content-Type: application/json). Parser said: {err.get('ctx', {}).get('error', err.get('msg'))}",
             code="invalid_json",
@@ -212,12 +197,12 @@ def validation_error_body(errors: Sequence[dict[str, Any]]) -> dict:
     param = param_path(err.get("loc", ()))
     msg = str(err.get("msg", "invalid value")).removeprefix("Value error, ")
     if param is None:
-        return error_body(
+        return bad_request(
             f"The request body must be a JSON object, sent as Content-Type: application/json ({msg})",
             code="invalid_type",
         )
     code = _CODES.get(kind) or ("invalid_type" if kind.endswith(("_type", "_parsing")) else "invalid_value")
-    return error_body(f"Invalid value for '{param}': {msg}", param=param, code=code)
+    return bad_request(f"Invalid value for '{param}': {msg}", param=param, code=code)
 
 
 # -- responses ---------------------------------------------------------------------------

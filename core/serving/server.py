@@ -21,6 +21,7 @@ import hmac
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
 from contextlib import asynccontextmanager, suppress
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -31,25 +32,18 @@ from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from kvshelf.errors import InvalidAgentId
-from kvshelf.runtime.engine import AgentBusy, AgentInfo, ChatResult, Engine
-from kvshelf.serving.completions import completion, engine_error, events, model_id, prepare
-from kvshelf.serving.openai_api import (
-    ApiError,
-    AppendRequest,
-    ChatCompletionRequest,
-    ForkRequest,
-    bad_request,
-    error_body,
-    validation_error_body,
-)
+from kvshelf.errors import ApiError, InvalidAgentId, KVShelfError, UnknownAgent
+from kvshelf.runtime.engine import AgentInfo, ChatResult, Engine
+from kvshelf.runtime.params import GenerationParams
+from kvshelf.serving.completions import completion, events, model_id, prepare
+from kvshelf.serving.errors_http import bad_request, error_response
+from kvshelf.serving.openai_api import AppendRequest, ChatCompletionRequest, ForkRequest, invalid_request
 from kvshelf.storage import exclusive
-from kvshelf.storage.agent_id import validate_agent_id
+from kvshelf.storage.agent_id import AgentId
 
 log = logging.getLogger(__name__)
 
 AGENT_HEADER = "x-agent-id"
-DEFAULT_MAX_TOKENS = 2048  # OpenAI's "until the context is full" is minutes of CPU for a looping model
 MAX_BODY_BYTES = 32 << 20
 T = TypeVar("T")
 
@@ -112,23 +106,18 @@ class Guard:
             if self.key and scope["path"] != "/health":
                 scheme, _, token = headers.get("authorization", "").partition(" ")
                 if not token and not scheme:
-                    refusal = (
+                    refusal = ApiError(
+                        "You didn't provide an API key. Send it as 'Authorization: Bearer KEY' "
+                        "(the key given to 'kvshelf serve --api-key').",
                         401,
-                        error_body(
-                            "You didn't provide an API key. Send it as 'Authorization: Bearer KEY' "
-                            "(the key given to 'kvshelf serve --api-key')."
-                        ),
                     )
                 elif scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.key):
-                    refusal = (401, error_body("Incorrect API key provided.", code="invalid_api_key"))
+                    refusal = ApiError("Incorrect API key provided.", 401, "invalid_api_key")
             length = headers.get("content-length", "0")
             if refusal is None and (not length.isdigit() or int(length) > self.max_body):
-                refusal = (
-                    413,
-                    error_body(f"The request body is over {self.max_body} bytes.", code="request_too_large"),
-                )
+                refusal = ApiError(f"The request body is over {self.max_body} bytes.", 413, "request_too_large")
             if refusal is not None:
-                status, body = refusal
+                status, body = error_response(refusal)
                 extra = {"WWW-Authenticate": "Bearer"} if status == 401 else None
                 return await JSONResponse(body, status, headers=extra)(scope, receive, send)
         await self.app(scope, receive, send)
@@ -151,12 +140,16 @@ def create_app(
     *,
     api_key: str | None = None,
     close_engine: bool = True,
-    default_max_tokens: int = DEFAULT_MAX_TOKENS,
+    defaults: GenerationParams | None = None,
     max_body_bytes: int = MAX_BODY_BYTES,
 ) -> FastAPI:
     """The ASGI app over ``engine``. On shutdown (after uvicorn's grace period has let open
     requests finish or cancelled them) it closes the engine with ``close_engine``, which
-    flushes pending saves."""
+    flushes pending saves.
+
+    A sampling field a request leaves out takes its value from ``defaults``
+    (``GenerationParams()``: 2048 tokens, greedy), as in the engine and the adapters."""
+    defaults = defaults or GenerationParams()
     name = model_id(engine)
 
     @asynccontextmanager
@@ -171,8 +164,9 @@ def create_app(
     @router.post("/v1/chat/completions", response_model=None)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         check_max_tokens(body, engine.loaded.context_length)
-        turn = prepare(body, request.headers.get(AGENT_HEADER), default_max_tokens)
+        turn = prepare(body, request.headers.get(AGENT_HEADER), defaults)
         stream = engine.astream(turn.agent_id, turn.messages, **turn.options)
+        assert isinstance(stream, AsyncGenerator)  # astream is an async generator: it can be closed
 
         async def first() -> str | ChatResult:
             return await anext(stream)
@@ -186,9 +180,9 @@ def create_app(
             head = await unless_disconnected(request, first())
         except ClientGone:
             return Response(status_code=499)  # nobody is left to answer
-        except Exception as exc:
+        except Exception:
             await stream.aclose()
-            raise engine_error(exc) from None
+            raise  # answered by the app's error handlers
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return EventStream(events(stream, head, turn, name, include_usage), stream)
 
@@ -201,18 +195,16 @@ def create_app(
     def tokenize(body: ChatCompletionRequest) -> dict:
         """How many prompt tokens a chat request is, as rendered for the model (tools and
         JSON mode included): what clients need for count_tokens / remaining_tokens."""
-        turn = prepare(body, None, default_max_tokens)
-        ids = engine.tokenizer.encode_prompt(engine.loaded.template.render(turn.messages))
+        turn = prepare(body, None, defaults)
+        ids = engine.loaded.tokenizer.encode_prompt(engine.loaded.template.render(turn.messages))
         return {"object": "tokenize", "prompt_tokens": len(ids), "context_length": engine.loaded.context_length}
 
     @router.get("/v1/agents")
     def list_agents() -> dict:
         return {"object": "list", "data": [_agent_body(a) for a in engine.agents()]}
 
-    def not_found(aid: str) -> ApiError:
-        return ApiError(
-            404, error_body(f"No agent {aid!r} has a cache here.", param="agent_id", code="agent_not_found")
-        )
+    def not_found(aid: AgentId) -> UnknownAgent:
+        return UnknownAgent(f"No agent {aid!r} has a cache here")
 
     @router.get("/v1/agents/{agent_id}")
     def get_agent(agent_id: str) -> dict:
@@ -227,10 +219,7 @@ def create_app(
         """Erase whatever the agent left, listed or not: a record that was quarantined as
         corrupt, or a temp file from a crashed save, is the agent's data too."""
         aid = path_agent_id(agent_id)
-        try:
-            removed = engine.forget(aid)
-        except AgentBusy as exc:
-            raise engine_error(exc) from None
+        removed = asdict(engine.forget(aid))  # busy 409, storage 503: answered by the error handlers
         if not (removed["files_removed"] or removed["tokens_freed"] or removed["ram_bytes_freed"]):
             raise not_found(aid)
         return {
@@ -246,11 +235,8 @@ def create_app(
     def fork_agent(agent_id: str, body: ForkRequest) -> dict:
         """Start another agent from this one's cache; their whole blocks are shared."""
         src, dst = path_agent_id(agent_id), path_agent_id(body.new_agent)
-        try:
-            info = engine.fork(src, dst)
-        except Exception as exc:  # unknown 404, exists or busy 409, same agent 400
-            raise engine_error(exc) from None
-        return {"object": "agent.fork", **info}
+        info = engine.fork(src, dst)  # unknown 404, exists or busy 409, same agent 400
+        return {"object": "agent.fork", **asdict(info)}
 
     @router.post("/v1/agents/{agent_id}/append")
     async def append_agent(agent_id: str, body: AppendRequest) -> JSONResponse:
@@ -259,17 +245,11 @@ def create_app(
         With ``background: true`` it is queued at the lowest priority (prefill ahead) and
         answered at once with 202."""
         aid = path_agent_id(agent_id)
-        turn = prepare(body, None, default_max_tokens)
-        try:
-            future = engine.prefill_ahead(aid, turn.messages, background=body.background)
-        except Exception as exc:
-            raise engine_error(exc) from None
+        turn = prepare(body, None, defaults)
+        future = engine.prefill_ahead(aid, turn.messages, background=body.background)
         if body.background:
             return JSONResponse({"object": "agent.append", "agent_id": aid, "queued": True}, 202)
-        try:
-            usage = await asyncio.wrap_future(future)
-        except Exception as exc:
-            raise engine_error(exc) from None
+        usage = await asyncio.wrap_future(future)
         return JSONResponse(
             {
                 "object": "agent.append",
@@ -290,9 +270,10 @@ def create_app(
     return app
 
 
-def path_agent_id(agent_id: str) -> str:
+def path_agent_id(agent_id: str) -> AgentId:
+    """An agent id from a URL path or a body field, validated once, here; a bad one is a 400."""
     try:
-        return validate_agent_id(agent_id)
+        return AgentId(agent_id)
     except InvalidAgentId as exc:
         raise bad_request(str(exc), "agent_id", "invalid_agent_id") from None
 
@@ -313,24 +294,35 @@ def check_max_tokens(body: ChatCompletionRequest, context_length: int) -> None:
 
 
 def _install_error_handlers(app: FastAPI) -> None:
-    @app.exception_handler(ApiError)
-    async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
-        return JSONResponse(exc.body, exc.status)
+    """Every error an endpoint raises goes through ``error_response``.
+
+    kvshelf's errors and ``ValueError`` get their own handlers (not only the catch-all):
+    Starlette answers a catch-all ``Exception`` handler from its outermost middleware and
+    then re-raises, which the server logs as a crash and which can drop the connection;
+    a specific handler answers and the connection lives on.
+    """
+
+    async def _answer(request: Request, exc: Exception) -> JSONResponse:
+        status, body = error_response(exc)
+        return JSONResponse(body, status)
+
+    app.add_exception_handler(KVShelfError, _answer)
+    app.add_exception_handler(ValueError, _answer)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return JSONResponse(validation_error_body(exc.errors()), 400)
+        return await _answer(request, invalid_request(exc.errors()))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         codes = {400: "invalid_json", 404: "not_found", 405: "method_not_allowed"}  # 400: FastAPI's body parser
         message = f"{request.method} {request.url.path}: {exc.detail}"
-        return JSONResponse(error_body(message, code=codes.get(exc.status_code)), exc.status_code, headers=exc.headers)
+        status, body = error_response(ApiError(message, exc.status_code, codes.get(exc.status_code)))
+        return JSONResponse(body, status, headers=exc.headers)
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception) -> JSONResponse:
-        err = engine_error(exc)
-        return JSONResponse(err.body, err.status)
+        return await _answer(request, exc)
 
 
 def serve(
@@ -355,7 +347,7 @@ def serve(
         log.warning("serving on %s without an API key: anyone who can reach it can read and erase agents", host)
     engine = Engine(model, cache_dir, budget, durable=True)
     try:
-        held = exclusive.claim(engine.store.directory)  # noqa: F841  (held for the life of the process)
+        held = exclusive.claim(engine.store_dir)  # noqa: F841  (held for the life of the process)
     except exclusive.DirectoryInUse as exc:
         engine.close()
         raise SystemExit(f"kvshelf serve: {exc}") from None

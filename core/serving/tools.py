@@ -14,7 +14,8 @@ never on the turn, so earlier turns stay byte-stable and the agent's cache is re
   so that it has to name a function;
 - a named function: opened with ``<tool_call>{"name": "<it>", "arguments":``.
 
-A forced turn is one call: generation ends where the call's JSON object closes.
+A forced turn is one call: generation ends where the call's JSON object closes, or at
+the closing tag if the model writes it first (a small model often drops the last brace).
 
 Forcing by an opened turn is a best effort (kvshelf has no grammar-constrained
 decoding): if the model still produces no valid call, the reply comes back as plain
@@ -22,6 +23,9 @@ content with ``finish_reason`` "stop" or "length", never as an invented call.
 
 Parsing is lenient: tagged calls (closing tag optional at the very end), fenced or bare
 JSON objects (or a list of them) with ``name`` and ``arguments`` (or ``parameters``).
+Inside a tag, where the end of the call is known, a call whose JSON only lacks its
+closing brackets is completed (``complete_json_prefix``); anything else malformed is
+not a call.
 A call is accepted only if it names one of the offered functions and its arguments are
 a JSON object. The content is the text before the first valid call, and without a
 valid call all of the text is content, so a failed call is never silently lost.
@@ -32,11 +36,12 @@ from __future__ import annotations
 import json
 import re
 import secrets
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from kvshelf.model.template import message_text
+from kvshelf.serving.json_mode import end_of_object
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 _FENCE = re.compile(r"^```[a-zA-Z]*\s*\n?(.*?)\n?```$", re.DOTALL)
@@ -142,6 +147,40 @@ def _as_call(obj: Any, names: frozenset[str]) -> ToolCall | None:
     return ToolCall(obj["name"], json.dumps(args, ensure_ascii=False), new_call_id())
 
 
+def complete_json_prefix(text: str) -> str | None:
+    """``text`` with its missing closing brackets added, if it is a JSON object cut short
+    outside a string (``{"a": {"b": 1`` becomes ``{"a": {"b": 1}}``); None otherwise.
+
+    Only the brackets are added: a cut inside a string, a dangling key or a value that is
+    not JSON stays invalid, so nothing is invented beyond the closing of what was opened.
+    """
+    stack: list[str] = []
+    in_string = escaped = False
+    for char in text:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif char == "\\":
+                escaped = True
+            elif char == '"':
+                in_string = False
+        elif char == '"':
+            in_string = True
+        elif char in "{[":
+            stack.append("}" if char == "{" else "]")
+        elif char in "}]":
+            if not stack or stack.pop() != char:
+                return None
+    if in_string or not stack or not text.lstrip().startswith("{"):
+        return None
+    completed = text.rstrip().removesuffix(",") + "".join(reversed(stack))
+    try:
+        json.loads(completed)
+    except (json.JSONDecodeError, RecursionError):
+        return None
+    return completed
+
+
 def _json_value(text: str, trailing_ok: bool = False) -> Any:
     """The JSON value that ``text`` holds (code fences allowed), or None.
 
@@ -170,19 +209,40 @@ def parse_tool_calls(text: str, names: Sequence[str]) -> tuple[str, list[ToolCal
     if OPEN not in text:
         value = _json_value(text)
         items = value if isinstance(value, list) and value else [value]
-        calls = [_as_call(v, allowed) for v in items]
-        if value is not None and all(calls):
-            return "", calls  # type: ignore[return-value]
+        whole = [call for v in items if (call := _as_call(v, allowed)) is not None]
+        if value is not None and len(whole) == len(items):
+            return "", whole
         return text, []
     content_end, calls, pos = len(text), [], 0
     while (start := text.find(OPEN, pos)) >= 0:
         end = text.find(CLOSE, start)
-        body_end, pos = (end, end + len(CLOSE)) if end >= 0 else (len(text), len(text))
-        call = _as_call(_json_value(text[start + len(OPEN) : body_end], trailing_ok=True), allowed)
+        # no closing tag: the reply ended, perhaps inside the tag (``</tool_call`` then end of turn)
+        body_end, pos = (end, end + len(CLOSE)) if end >= 0 else (len(text) - _partial_tag(text, CLOSE), len(text))
+        body = text[start + len(OPEN) : body_end]
+        value = _json_value(body, trailing_ok=True)
+        if value is None and (completed := complete_json_prefix(body.strip())) is not None:
+            value = json.loads(completed)  # cut short: a call only if its arguments were begun
+            value = value if isinstance(value, dict) and ("arguments" in value or "parameters" in value) else None
+        call = _as_call(value, allowed)
         if call is not None:
             content_end = min(content_end, start)
             calls.append(call)
     return text[:content_end], calls
+
+
+def end_of_call(opening: str) -> Callable[[str], int]:
+    """For ``Engine.stream(until=...)`` on a forced call: the length at which the call
+    ends (its JSON object closes, or the model writes the closing tag first), or -1."""
+    object_end = end_of_object(opening.removeprefix(OPEN))
+
+    def until(text: str) -> int:
+        end = object_end(text)
+        tag = text.find(CLOSE)
+        if tag >= 0 and (end < 0 or tag < end):
+            return tag
+        return end
+
+    return until
 
 
 class ToolCallStream:
@@ -227,9 +287,9 @@ class ToolCallStream:
         return content[self.shown :], calls
 
 
-def _partial_tag(text: str) -> int:
-    """How many trailing chars of ``text`` could be the start of ``<tool_call>``."""
-    for k in range(min(len(OPEN) - 1, len(text)), 0, -1):
-        if text.endswith(OPEN[:k]):
+def _partial_tag(text: str, tag: str = OPEN) -> int:
+    """How many trailing chars of ``text`` could be the start of ``tag``."""
+    for k in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:k]):
             return k
     return 0

@@ -13,6 +13,8 @@ change, rather than being silently rewritten (two ids must never collide).
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from kvshelf.errors import InvalidAgentId
 
 MAX_AGENT_ID_LENGTH = 128
@@ -44,7 +46,7 @@ class AgentId(str):
 
     def __new__(cls, value: object) -> AgentId:
         if type(value) is cls:
-            return value  # type: ignore[return-value]
+            return value
         return super().__new__(cls, _checked(value))
 
 
@@ -56,6 +58,17 @@ def validate_agent_id(agent_id: object) -> AgentId:
     name such as ``CON`` or ``nul.x``.
     """
     return AgentId(agent_id)
+
+
+def id_path(directory: Path, agent_id: str, suffix: str = "") -> Path:
+    """``directory/<agent_id><suffix>``: where an id becomes a file name in storage.
+
+    Storage checks ids here and nowhere else (records, lock files, shared-prefix
+    markers all name their files through this), so a bad id raises InvalidAgentId
+    before any disk access. An ``AgentId`` passes through unchecked; a plain str is
+    checked, and only its validated value (never a subclass's ``__str__``) is used.
+    """
+    return directory / (AgentId(agent_id) + suffix)
 
 
 def _checked(agent_id: object) -> str:

@@ -18,15 +18,23 @@ import shutil
 import threading
 import weakref
 from pathlib import Path
+from typing import cast
 
 import mlx.core as mx
 
+from kvshelf.kv.record import prefix_from_record, prefix_record
 from kvshelf.kv.shared import SharedPrefix
 from kvshelf.model.spec import ModelCacheSpec
-from kvshelf.storage.agent_id import validate_agent_id
+from kvshelf.storage.agent_id import AgentId, id_path
 from kvshelf.storage.records import RecordStore
 
 log = logging.getLogger(__name__)
+
+
+def _key(pid: str) -> AgentId:
+    """A prefix id as the key of its record in the store, which checks it where it
+    becomes a file name (``id_path``), like an agent id."""
+    return cast(AgentId, pid)
 
 
 class SharedPrefixes:
@@ -43,7 +51,7 @@ class SharedPrefixes:
         return self.store.directory
 
     def _users_dir(self, pid: str) -> Path:
-        return self.directory / f"{validate_agent_id(pid)}.users"
+        return id_path(self.directory, pid, ".users")
 
     # -- RAM ------------------------------------------------------------------------------
     def intern(self, prefix: SharedPrefix) -> SharedPrefix:
@@ -60,13 +68,13 @@ class SharedPrefixes:
             live = self._live.get(pid)
         if live is not None:
             return live
-        record = self.store.load(pid)
+        record = self.store.load(_key(pid))
         if record is None:
             return None
         try:
-            prefix = SharedPrefix.from_record(pid, self.spec, record)
+            prefix = prefix_from_record(pid, self.spec, record)
         except (ValueError, KeyError) as exc:
-            self.store.quarantine(pid, f"shared prefix does not fit this model: {exc}")
+            self.store.quarantine(_key(pid), f"shared prefix does not fit this model: {exc}")
             return None
         mx.eval([x for layer in prefix.layers if layer is not None for x in (*layer.keys, *layer.values)])
         return self.intern(prefix)
@@ -77,33 +85,33 @@ class SharedPrefixes:
 
     # -- disk ----------------------------------------------------------------------------
     def ensure_saved(self, prefix: SharedPrefix) -> None:
-        if not self.store.path_for(prefix.id).exists():
-            self.store.save(prefix.id, prefix.to_record(self.spec))
+        if not self.store.path_for(_key(prefix.id)).exists():
+            self.store.save(_key(prefix.id), prefix_record(prefix, self.spec))
 
-    def add_user(self, pid: str, agent_id: str) -> None:
+    def add_user(self, pid: str, agent_id: AgentId) -> None:
         """Mark ``agent_id`` as a user of ``pid`` (before its record refers to it)."""
+        marker = id_path(self._users_dir(pid), agent_id)  # both ids checked before the disk is touched
         with self._lock:
-            users = self._users_dir(pid)
-            users.mkdir(mode=0o700, parents=True, exist_ok=True)
-            (users / validate_agent_id(agent_id)).touch(mode=0o600)
+            marker.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            marker.touch(mode=0o600)
 
-    def release(self, agent_id: str, keep: str | None = None) -> list[Path]:
+    def release(self, agent_id: AgentId, keep: str | None = None) -> list[Path]:
         """Drop ``agent_id``'s markers (but ``keep``'s); delete prefixes left without users.
 
         Returns the files removed."""
         removed: list[Path] = []
-        aid = validate_agent_id(agent_id)
+        pattern = str(id_path(Path("*.users"), agent_id))  # this agent's marker under any prefix
         with self._lock:
             if not self.directory.is_dir():
                 return removed
-            for marker in sorted(self.directory.glob(f"*.users/{aid}")):
+            for marker in sorted(self.directory.glob(pattern)):
                 pid = marker.parent.name.removesuffix(".users")
                 if pid == keep:
                     continue
                 marker.unlink(missing_ok=True)
                 removed.append(marker)
                 if not any(marker.parent.iterdir()):
-                    removed.extend(self.store.delete(pid))
+                    removed.extend(self.store.delete(_key(pid)))
                     shutil.rmtree(marker.parent, ignore_errors=True)
         return removed
 
@@ -112,4 +120,4 @@ class SharedPrefixes:
         return sorted(p.name for p in users.iterdir()) if users.is_dir() else []
 
     def on_disk(self) -> list[str]:
-        return self.store.agent_ids()
+        return list(self.store.agent_ids())

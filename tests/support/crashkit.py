@@ -38,14 +38,16 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-TESTS_DIR = Path(__file__).parent
+from tests.support import REPO_ROOT
+
 AGENTS = ["crash-a", "crash-b", "crash-c", "crash-d"]
 KILL_MODES = ("random", "mid-write", "mid-erase")
 
 CHILD = r"""
 import json, random, sys
 import kvshelf
-from kvshelf.runtime.engine import Engine, UnknownAgent
+from kvshelf.errors import UnknownAgent
+from kvshelf.runtime.engine import Engine
 
 model, cache_dir, ledger_path, seed = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
 ledger = json.load(open(ledger_path))
@@ -74,7 +76,7 @@ while True:
         r = engine.chat(aid, messages, max_tokens=rng.randint(2, 12))
         if r.saved:
             ledger[aid]["messages"] = messages + [{{"role": "assistant", "content": r.text}}]
-            tokens = list(engine.pool.get(aid).tokens)
+            tokens = list(engine._shelf.pool.get(aid).tokens)
             out("ack", op, aid, json.dumps({{"messages": ledger[aid]["messages"], "tokens": tokens}}))
         else:
             out("nack", op, aid)
@@ -102,7 +104,7 @@ while True:
             out("nack", op, aid)
             continue
         ledger[dst]["messages"] = list(ledger[aid]["messages"])
-        tokens = list(engine.pool.get(dst).tokens)
+        tokens = list(engine._shelf.pool.get(dst).tokens)
         out("ack", op, aid, json.dumps({{"dst": dst, "messages": ledger[dst]["messages"], "tokens": tokens}}))
 """
 
@@ -140,7 +142,7 @@ class Child:
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,
             text=True,
-            env=dict(os.environ, PYTHONPATH=str(TESTS_DIR)),
+            cwd=REPO_ROOT,
         )
         self.lines: list[str] = []
         self.ready = threading.Event()
@@ -192,10 +194,11 @@ def kill_somewhere(child: Child, store_dir: Path, mode: str, rng: random.Random)
 def crash_once(model_dir: Path, cache_dir: Path, ledger: Ledger, seed: int, mode: str, budget: str = "1MB") -> Outcome:
     """One child, one kill, one full check; updates ``ledger`` with what was acknowledged."""
     from kvshelf.runtime.engine import Engine
+    from kvshelf.storage.agent_id import AgentId
 
     rng = random.Random(seed)
     probe = Engine(model=str(model_dir), cache_dir=cache_dir, progress=False)
-    store_dir = probe.store.directory
+    store_dir = probe._shelf.store.directory
     probe.close()
     temps_before = temp_files(store_dir)
     child = Child(model_dir, cache_dir, ledger, seed, budget)
@@ -228,12 +231,13 @@ def crash_once(model_dir: Path, cache_dir: Path, ledger: Ledger, seed: int, mode
     records: dict[str, str] = {}
     engine = Engine(model=str(model_dir), cache_dir=cache_dir, progress=False)
     try:
+        cut: tuple[str, ...] = in_flight or ()  # op, agent, ... of the operation cut short
         for aid in AGENTS:
             flying = in_flight is not None and in_flight[1] == aid
             forked_to = in_flight is not None and in_flight[0] == "fork" and in_flight[2] == aid
             expected = ledger.tokens[aid]
-            if engine.store.path_for(aid).exists():
-                cache = engine.load_record(aid)  # checksums, header, fit: None (and quarantined) if bad
+            if engine._shelf.store.path_for(aid).exists():
+                cache = engine._shelf.load(AgentId(aid))  # checksums, header, fit: None (and quarantined) if bad
                 if cache is None:
                     failures.append(f"{aid}: record is unusable")
                     continue
@@ -242,18 +246,18 @@ def crash_once(model_dir: Path, cache_dir: Path, ledger: Ledger, seed: int, mode
                 tokens = None
             if tokens == expected:
                 records[aid] = "acked" if tokens is not None else "absent"
-            elif flying and in_flight[0] == "forget" and tokens is None:
+            elif flying and cut[0] == "forget" and tokens is None:
                 records[aid] = "erased"
             elif forked_to and tokens is None:  # the fork had erased it first
                 records[aid] = "erased"
-            elif forked_to and tokens is not None and tokens == ledger.tokens[in_flight[1]]:
+            elif forked_to and tokens is not None and tokens == ledger.tokens[cut[1]]:
                 records[aid] = "new"
             elif (
                 flying
-                and in_flight[0] == "chat"
+                and cut[0] == "chat"
                 and tokens is not None
-                and len(tokens) >= int(in_flight[2])
-                and digest(tokens[: int(in_flight[2])]) == in_flight[3]
+                and len(tokens) >= int(cut[2])
+                and digest(tokens[: int(cut[2])]) == cut[3]
             ):
                 records[aid] = "new"
             elif expected is not None and tokens is None:
@@ -265,8 +269,8 @@ def crash_once(model_dir: Path, cache_dir: Path, ledger: Ledger, seed: int, mode
                 if tokens is None:
                     ledger.messages[aid] = []
         quarantined = [
-            *engine.store.quarantine_dir.glob("*.safetensors"),
-            *engine.shared.store.quarantine_dir.glob("*.safetensors"),
+            *engine._shelf.store.quarantine_dir.glob("*.safetensors"),
+            *engine._shelf.shared.store.quarantine_dir.glob("*.safetensors"),
         ]
         if quarantined:
             failures.append(f"{len(quarantined)} record(s) were quarantined as corrupt")
@@ -282,7 +286,7 @@ def warm_restore_check(model_dir: Path, cache_dir: Path, ledger: Ledger) -> dict
 
     engine = Engine(model=str(model_dir), cache_dir=cache_dir, progress=False)
     try:
-        seen = {}
+        seen: dict[str, str] = {}
         for aid in AGENTS:
             if ledger.tokens[aid] is not None and ledger.messages[aid]:
                 messages = ledger.messages[aid] + [{"role": "user", "content": "and after the crash?"}]

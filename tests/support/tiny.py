@@ -11,12 +11,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import kvshelf  # noqa: F401  (OpenBLAS before mlx: imported alone, e.g. by benchmarks/crash.py)
+
+# isort: split
 import mlx.core as mx
 from mlx.utils import tree_flatten
 from mlx_lm.utils import _get_classes
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
-
-import kvshelf  # noqa: F401  (OpenBLAS before mlx)
 
 VOCAB = 130  # 128 ASCII bytes + <s> + </s>: every generated id decodes to valid text
 

@@ -1,0 +1,339 @@
+"""The shelf: one owner for every agent's cache through its whole life.
+
+An agent's cache is resident (in the byte-budget pool), lent out (to the step loop, for
+one request at a time), being saved (written behind on the I/O thread from a snapshot),
+unsaved (its last save failed: kept in RAM and retried with backoff), on disk only, or
+erased. Every move between those states happens here, so residency, saving, retrying,
+the budget, forks and erasure follow one set of rules:
+
+- a cache is never dropped from RAM unless its record on disk holds it;
+- a lent cache is never saved, spilled, forked, evicted or erased under the loop;
+- a durable shelf answers (a turn, a fork) only once the save it needs has ended.
+
+Everything but the I/O thread's reads and writes runs on the scheduler's worker
+thread (``kvshelf.runtime.scheduler``), between steps, so no lock guards the caches.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import Future
+from pathlib import Path
+from typing import cast
+
+import mlx.core as mx
+
+from kvshelf.errors import AgentBusy, AgentExists, StorageError, UnknownAgent
+from kvshelf.kv.agent_cache import AgentCache
+from kvshelf.kv.record import CacheRecord, agent_cache_from_record, agent_record, shared_prefix_id
+from kvshelf.kv.schemes import KVScheme
+from kvshelf.kv.shared import SharedPrefix
+from kvshelf.model.spec import ModelCacheSpec
+from kvshelf.runtime.iothread import IOThread
+from kvshelf.runtime.pool import BlockPool
+from kvshelf.runtime.results import AgentInfo, ForgetResult, ForkResult
+from kvshelf.storage.agent_id import AgentId
+from kvshelf.storage.prefixes import SharedPrefixes
+from kvshelf.storage.records import RecordStore
+
+log = logging.getLogger(__name__)
+
+# A save that failed (full disk, lost permissions) is retried on its own, first after
+# RETRY_FIRST_S, then at doubling intervals up to RETRY_MAX_S, so a disk that frees up
+# gets the agents back on it without anyone calling flush(), and a disk that stays
+# full costs one attempt (and one logged error) per agent a minute.
+RETRY_FIRST_S = 1.0
+RETRY_MAX_S = 60.0
+
+
+def _resident(aid: str) -> AgentId:
+    """A key of the pool as the AgentId it is: only this shelf puts agents there, by AgentId."""
+    return cast(AgentId, aid)
+
+
+def _done(value: object) -> Future:
+    fut: Future = Future()
+    fut.set_result(value)
+    return fut
+
+
+class Shelf:
+    """Agents' caches in RAM and on disk, for one model and one cache directory."""
+
+    def __init__(
+        self,
+        cache_dir: Path,
+        fingerprint: str,
+        spec: ModelCacheSpec,
+        scheme: KVScheme,
+        *,
+        budget: int | str | None = None,
+        durable: bool = False,
+    ) -> None:
+        self.spec = spec
+        self.scheme = scheme
+        self.durable = durable
+        self.store = RecordStore(cache_dir, fingerprint)
+        self.shared = SharedPrefixes(cache_dir, fingerprint, spec)
+        self.pool = BlockPool(budget)
+        self.unsaved: set[AgentId] = set()
+        """Resident agents whose last save failed: their record on disk is behind."""
+        self._lent: set[AgentId] = set()
+        self._saves: dict[AgentId, Future] = {}
+        self._io = IOThread("kvshelf-io")
+        self._retry_delay = RETRY_FIRST_S
+        self._retry_at = 0.0
+
+    # -- lending to the step loop -------------------------------------------------------
+    def new_cache(self) -> AgentCache:
+        """An empty cache for this model and KV scheme (a new agent, or one never saved)."""
+        return AgentCache.empty(self.spec, self.scheme)
+
+    def can_lend(self, aid: AgentId) -> bool:
+        """False while the agent is lent out or its last save is still being written."""
+        save = self._saves.get(aid)
+        return aid not in self._lent and (save is None or save.done())
+
+    def lent(self, aid: AgentId) -> bool:
+        """True while a request holds the agent's cache."""
+        return aid in self._lent
+
+    def lend(self, aid: AgentId) -> AgentCache | None:
+        """Lend the agent out; its resident cache, or None if it must be restored first."""
+        self._lent.add(aid)
+        return self.pool.get(aid)
+
+    def restore(self, aid: AgentId) -> Future:
+        """Read and verify the agent's record on the I/O thread (prefetch while others
+        decode); a Future of its cache, or of None when there is no usable record."""
+        return self._io.submit(self.load, aid)
+
+    def give_back(self, aid: AgentId, cache: AgentCache | None) -> Future:
+        """Take the agent back after its request: keep it resident, save it behind, spill
+        over budget. Returns a Future of what its result may say about durability
+        (``ChatResult.saved``): None unless durable; else whether the save succeeded."""
+        self._lent.discard(aid)
+        if cache is None:  # never got its cache: the old record stands
+            return _done(False if self.durable else None)
+        if any(c.offset != len(cache.tokens) for c in cache.layers):
+            log.warning("agent %s: interrupted mid-forward; dropping its RAM cache", aid)
+            self.pool.pop(aid)
+            return _done(False if self.durable else None)
+        self.pool.put(aid, cache)
+        saving = self.save_behind(aid, cache)
+        self.enforce_budget()
+        return self._settled(saving)
+
+    def drop(self, aid: AgentId) -> None:
+        """Take the agent back after a failed request: its cache may be half-updated, so
+        it is never reused (the record on disk stands)."""
+        self.pool.pop(aid)
+        self._lent.discard(aid)
+
+    def unlend(self, aid: AgentId) -> None:
+        """Take the agent back from a request that never got its cache."""
+        self._lent.discard(aid)
+
+    def _settled(self, saving: Future) -> Future:
+        if not self.durable:
+            return _done(None)
+        out: Future = Future()
+        saving.add_done_callback(lambda f: out.set_result(f.exception() is None and bool(f.result())))
+        return out
+
+    # -- saving ----------------------------------------------------------------------------
+    def save_behind(self, aid: AgentId, cache: AgentCache) -> Future:
+        """Snapshot the agent's blocks now; write them on the I/O thread."""
+        record = agent_record(cache)  # drops a prefix no layer uses any more: read ``shared`` after
+        mx.eval(list(record.tensors.values()))  # a snapshot now; the I/O thread writes it later
+        fut = self._io.submit(self._write, aid, record, cache.shared)
+        self._saves[aid] = fut
+        return fut
+
+    def _write(self, aid: AgentId, record: CacheRecord, prefix: SharedPrefix | None) -> bool:
+        """Write an agent's record (I/O thread), and its shared prefix first if it has
+        one: prefix file, then this agent's user marker, then the record, then the
+        markers it no longer needs. A crash between steps leaves at most an unused prefix.
+        A failed write keeps the agent in RAM, marked unsaved, to be retried."""
+        try:
+            try:
+                if prefix is not None:
+                    self.shared.ensure_saved(prefix)
+                    self.shared.add_user(prefix.id, aid)
+                self.store.save(aid, record)
+                self.shared.release(aid, keep=prefix.id if prefix is not None else None)
+            except StorageError:
+                raise
+            except OSError as exc:
+                raise StorageError(
+                    exc.errno or 0, f"could not write the shared prefix of agent {aid!r}: {exc}"
+                ) from exc
+        except StorageError as exc:
+            log.error("could not save agent %s; keeping it in RAM and retrying later: %s", aid, exc)
+            self.unsaved.add(aid)
+            return False
+        self.unsaved.discard(aid)
+        return True
+
+    def load(self, aid: AgentId) -> AgentCache | None:
+        """Read and verify an agent's record; None if absent or unusable (an unusable one
+        is quarantined, so the agent simply starts cold). The loop runs it on the I/O
+        thread (``restore``); it leaves the pool as it is."""
+        record = self.store.load(aid)
+        if record is None:
+            return None
+        try:
+            prefix = None
+            if (pid := shared_prefix_id(record)) is not None:
+                prefix = self.shared.get(pid)
+                if prefix is None:
+                    raise ValueError(f"its shared prefix {pid!r} is missing or unreadable")
+            cache = agent_cache_from_record(self.spec, record, prefix)
+        except (ValueError, KeyError) as exc:
+            self.store.quarantine(aid, f"record does not fit this model: {exc}")
+            return None
+        mx.eval(cache.arrays())  # MLX streams are per thread: materialise here, use on the worker
+        return cache
+
+    def retry_unsaved(self) -> None:
+        """Save again, with backoff, the resident agents whose last save failed."""
+        if not self.unsaved:
+            self._retry_delay = RETRY_FIRST_S
+            return
+        now = time.monotonic()
+        if now < self._retry_at:
+            return
+        for aid in sorted(self.unsaved):
+            cache = self.pool.get(aid)
+            if cache is not None and self.can_lend(aid):
+                self.save_behind(aid, cache)
+        self._retry_at = now + self._retry_delay
+        self._retry_delay = min(2 * self._retry_delay, RETRY_MAX_S)
+
+    def wait_saved(self, aid: AgentId) -> bool:
+        """Wait for the agent's last save; True if it reached the disk (or there was none)."""
+        fut = self._saves.get(aid)
+        return True if fut is None else bool(fut.result())
+
+    def enforce_budget(self) -> None:
+        """Spill the least recently used agents until the rest fit the byte budget."""
+        for victim in map(_resident, self.pool.over_budget_victims()):
+            if victim in self._lent:
+                continue
+            cache = self.pool.get(victim)
+            if cache is None:
+                continue
+            if not self.wait_saved(victim) and not self.save_behind(victim, cache).result():
+                continue  # never drop state that is not safely on disk
+            self.pool.pop(victim)
+
+    # -- control calls ---------------------------------------------------------------------
+    def fork(self, src: AgentId, dst: AgentId) -> Future:
+        """Start ``dst`` from a copy of ``src``, sharing its whole blocks (interned once).
+
+        Returns a Future of the ``ForkResult``: resolved at once, or on a durable shelf
+        only once both records (and the shared prefix) are on disk."""
+        if src in self._lent or dst in self._lent:
+            raise AgentBusy(f"agent {src if src in self._lent else dst!r} has a request in flight")
+        if dst in self.pool or self.store.path_for(dst).exists():
+            raise AgentExists(f"agent {dst!r} already has a cache; forget it first")
+        cache = self.pool.get(src)
+        if cache is None:
+            cache = self.load(src)
+            if cache is None:
+                raise UnknownAgent(f"no cache for agent {src!r}")
+            self.pool.put(src, cache)
+        prefix = cache.share_prefix()
+        if prefix is not None:
+            cache.adopt(self.shared.intern(prefix))
+        twin = cache.fork()
+        self.pool.put(dst, twin)
+        saves = [self.save_behind(src, cache), self.save_behind(dst, twin)]
+        self.enforce_budget()
+        result = ForkResult(
+            agent_id=dst,
+            source=src,
+            tokens=len(twin.tokens),
+            shared_tokens=len(prefix.tokens) if prefix is not None else 0,
+            shared_prefix=prefix.id if prefix is not None else None,
+        )
+        if not self.durable:
+            return _done(result)
+        answered: Future = Future()
+        pending = len(saves)
+
+        def one_done(save: Future) -> None:  # runs on the I/O thread, in save order
+            nonlocal pending
+            pending -= 1
+            if (exc := save.exception()) is not None and not answered.done():
+                answered.set_exception(exc)
+            elif pending == 0 and not answered.done():
+                answered.set_result(result)
+
+        for save in saves:
+            save.add_done_callback(one_done)
+        return answered
+
+    def forget(self, aid: AgentId) -> ForgetResult:
+        """Erase the agent: its RAM cache, its record, its shared-prefix markers (and a
+        prefix nobody else uses). Its running save, if any, ends first."""
+        if aid in self._lent:
+            raise AgentBusy(f"agent {aid!r} has a request in flight")
+        self.wait_saved(aid)
+        cache = self.pool.pop(aid)
+        self.pool.last_used.pop(aid, None)
+        self.unsaved.discard(aid)
+        self._saves.pop(aid, None)
+        removed = self.store.delete(aid)
+        removed += self.shared.release(aid)  # its prefix markers; a prefix with no users left
+        return ForgetResult(
+            agent_id=aid,
+            ram_bytes_freed=cache.nbytes if cache else 0,
+            tokens_freed=len(cache.tokens) if cache else 0,
+            files_removed=[str(p) for p in removed],
+        )
+
+    def evict(self, aid: AgentId) -> bool:
+        """Drop the agent from RAM once its record is safely on disk."""
+        if aid in self._lent or aid not in self.pool or not self.wait_saved(aid):
+            return False
+        self.pool.pop(aid)
+        return True
+
+    def flush(self) -> list[str]:
+        """Wait for pending saves and retry failed ones; the agents still not on disk."""
+        for aid in sorted(self.unsaved):
+            cache = self.pool.get(aid)
+            if cache is not None and aid not in self._lent:
+                self.save_behind(aid, cache)
+        for fut in list(self._saves.values()):
+            fut.result()
+        return sorted(self.unsaved)
+
+    def agents(self) -> list[AgentInfo]:
+        """Every agent this shelf knows, resident or on disk."""
+        out = []
+        for aid in sorted(set(self.pool) | set(self.store.agent_ids())):
+            cache = self.pool.get(aid)
+            out.append(
+                AgentInfo(
+                    agent_id=aid,
+                    tokens=len(cache.tokens) if cache else self.store.token_count(aid),
+                    ram_bytes=cache.nbytes if cache else 0,
+                    disk_bytes=self.store.size_on_disk(aid),
+                    last_used=self.pool.last_used.get(aid) or self.store.mtime(aid),
+                    resident=cache is not None,
+                )
+            )
+        return out
+
+    def shared_prefixes(self) -> dict[str, list[str]]:
+        """Each shared prefix on disk and the agents marked as its users."""
+        return {pid: self.shared.users(pid) for pid in self.shared.on_disk()}
+
+    def close(self) -> None:
+        """Let every save end (failed ones included), then stop the I/O thread."""
+        for fut in list(self._saves.values()):
+            fut.exception()
+        self._io.shutdown()

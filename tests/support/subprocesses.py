@@ -1,0 +1,47 @@
+"""Real restarts: code run in a fresh Python process, from the repository root.
+
+A test that needs to know what survives a restart cannot fake one inside its own
+process (the model, the pool and the OS page cache would all still be warm), so it runs
+a child interpreter. The child's working directory is the repository root, so it can
+import ``tests.support`` like the tests do.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from tests.support import REPO_ROOT
+
+
+def run_in_subprocess(code: str, timeout: float = 300) -> dict[str, Any]:
+    """Run ``code`` in a fresh Python process (a real restart); it must print one JSON line last."""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout, cwd=REPO_ROOT)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def continue_in_new_process(
+    model: str, cache_dir: Path, agent_id: str, messages: list[dict], max_tokens: int
+) -> dict[str, Any]:
+    """A real restart: a new process restores ``agent_id`` from ``cache_dir`` and continues.
+
+    Returns the next-token logits after ``messages`` and the greedy reply's token ids.
+    """
+    import numpy as np
+
+    out = cache_dir / f"{agent_id}-restored.npy"
+    code = f"""
+import json, numpy as np, kvshelf
+from kvshelf.runtime.engine import Engine
+e = Engine(model={model!r}, cache_dir={str(cache_dir)!r}, progress=False)
+np.save({str(out)!r}, e.prefill({agent_id!r}, {messages!r}))
+r = e.chat({agent_id!r}, {messages!r}, max_tokens={max_tokens})
+print(json.dumps({{"tokens": r.token_ids, "cache": r.cache, "cached": r.usage.cached_tokens}}))
+"""
+    result = run_in_subprocess(code)
+    result["logits"] = np.load(out)
+    return result
