@@ -3,9 +3,9 @@
 MLX's CPU backend runs every matmul as ``cblas_sgemm``. For the output projection of a
 single decoding agent (``h @ W.T`` with ``h`` of shape 1×hidden and ``W`` the
 vocab×hidden head, 262144×640 fp32 = 671 MB for the embedded Gemma 3) a 1-row sgemm
-costs about 2.3× what a matrix-vector product costs on the same memory, because
-OpenBLAS packs the whole matrix for a product whose other side is one vector
-(``benchmarks/mlx_gemv_repro.py`` shows it in a few lines, for an upstream report).
+costs 1.7-2.4× what a matrix-vector product costs on the same memory (measured 64 vs
+29 ms), presumably because OpenBLAS packs the matrix for a product whose other side is
+one vector (``benchmarks/mlx_gemv_repro.py`` shows it in a few lines, for upstream).
 
 ``ProjectedModel`` composes an mlx-lm model without changing it: it runs the model's
 body (``model.model``), then the projection itself. At batch 1 the last position (the
@@ -27,7 +27,9 @@ last bits (up to 6e-5 on real hidden rows of the embedded model, whose logits re
 tens; always within ``dot_error_bound``). Every batch-1 call projects its last position
 the same way, so prefill's last token (a short prompt in one call or a long one ending
 with a 1-token call) and decode at batch 1 are bit-identical to one another, and a
-restored agent continues exactly as one in RAM. A decode step with several agents uses
+restored agent continues exactly as one in RAM. The price: a batch-1 call of several
+positions (a prefill chunk) pays that sgemv on top of MLX's rows, about 30 ms on the
+embedded model, also for chunks whose logits are never read. A decode step with several agents uses
 MLX's rows, which were never bit-identical to the same agent's row alone: OpenBLAS
 picks its sgemm kernel by shape, and a row of a 3-row product differs from that row in
 an 8- or 1-row one (up to 1e-6 on the tiny test models). So, as before, batched decode
