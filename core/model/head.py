@@ -29,13 +29,14 @@ the same way, so prefill's last token (a short prompt in one call or a long one 
 with a 1-token call) and decode at batch 1 are bit-identical to one another, and a
 restored agent continues exactly as one in RAM. The price: a batch-1 call of several
 positions (a prefill chunk) pays that sgemv on top of MLX's rows, about 30 ms on the
-embedded model, also for chunks whose logits are never read. A decode step with several agents uses
-MLX's rows, which were never bit-identical to the same agent's row alone: OpenBLAS
-picks its sgemm kernel by shape, and a row of a 3-row product differs from that row in
-an 8- or 1-row one (up to 1e-6 on the tiny test models). So, as before, batched decode
-equals one-by-one decode token for token, not logit for logit: all rows of one agent
-lie within ``dot_error_bound`` of each other, and the greedy token is provably the same
-whenever the top logit wins by more than the bounds, which ``greedy_is_certain`` checks.
+embedded model, also for chunks whose logits are never read. A decode step with several
+agents uses MLX's rows, which were never bit-identical to one agent's row alone:
+OpenBLAS picks its sgemm kernel by shape, and a row of a 3-row product differs from
+that row in an 8- or 1-row one (up to 1e-6 on the tiny test models). So, as before,
+batched decode equals one-by-one decode token for token, not logit for logit: all rows
+of one agent lie within ``dot_error_bound`` of each other, and the greedy token is
+provably the same whenever the top logit wins by more than the bounds, which
+``greedy_is_certain`` checks.
 
 The gemv path is taken only where it is known to be the same function: unquantized
 fp32 weights on the CPU device, an architecture whose ``__call__`` is exactly body then
