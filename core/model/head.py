@@ -220,6 +220,22 @@ class ProjectedModel:
         return self.project(self.inner.model(inputs, cache, **kwargs))
 
 
+def prefill_logits(model: nn.Module | ProjectedModel, inputs: mx.array, cache: Any, want: bool) -> mx.array | None:
+    """One prefill call for one agent: the cache takes ``inputs``; the last position's
+    logits come back only if ``want`` (a chunk before the last needs none).
+
+    MLX is lazy, so through the model's own call an unread projection is never computed;
+    the gemv path is eager, so it is asked only for the last position when wanted. That
+    row is the very one ``ProjectedModel.__call__`` would give, so the result does not
+    depend on how the prompt was cut into calls.
+    """
+    if isinstance(model, ProjectedModel):
+        hidden = model.inner.model(inputs, cache)
+        return model.project(hidden[:, -1:])[0, -1] if want else None
+    out = model(inputs, cache=cache)
+    return out[0, -1] if want else None
+
+
 def with_fast_head(model: nn.Module, probe_len: int = 4) -> nn.Module | ProjectedModel:
     """``model`` wrapped as a ``ProjectedModel`` if that is provably the same function,
     else ``model`` itself.

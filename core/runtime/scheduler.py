@@ -32,6 +32,7 @@ import numpy as np
 
 from kvshelf.kv.agent_cache import AgentCache
 from kvshelf.kv.batch import batch_views
+from kvshelf.model.head import prefill_logits
 from kvshelf.model.loader import LoadedModel
 from kvshelf.runtime.events import Event, Failed, Finished, Prefilled, Stopped, Text
 from kvshelf.runtime.iothread import release_mlx_thread
@@ -285,7 +286,8 @@ class Scheduler:
             self.stats["prefill_calls"] += 1
             self.stats["background_calls"] += r.background
             ids, r.todo = r.todo[:n], r.todo[n:]
-            out = self._model(mx.array(ids)[None], cache=r.cache.layers)
+            want = not r.plan and not r.background  # only the last call's logits are read
+            out = prefill_logits(self._model, mx.array(ids)[None], r.cache.layers, want)
             r.cache.tokens.extend(ids)
             if r.plan:
                 mx.eval(r.cache.arrays())
@@ -296,7 +298,8 @@ class Scheduler:
                 self._complete(r, emit_result=False)
                 r.emit(Stopped())
                 return True
-            logits = out[0, -1]
+            assert out is not None
+            logits = out
             mx.eval(logits, r.cache.arrays())
             self._prefilling.remove(r)
             if r.sampler is None:
