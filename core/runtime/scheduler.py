@@ -33,6 +33,7 @@ import numpy as np
 
 from kvshelf.kv.agent_cache import AgentCache
 from kvshelf.kv.working_set import WorkingSets
+from kvshelf.model.head import prefill_logits
 from kvshelf.model.loader import LoadedModel
 from kvshelf.runtime.events import Event, Failed, Finished, Prefilled, Stopped, Text
 from kvshelf.runtime.iothread import release_mlx_thread
@@ -122,7 +123,7 @@ class Scheduler:
     """Runs the step loop: the model over the caches the shelf lends it."""
 
     def __init__(self, loaded: LoadedModel, shelf: Shelf, *, prefill_chunk: int = 256):
-        self._model = loaded.model
+        self._model = loaded.forward
         self._tokenizer = loaded.tokenizer
         self._template_stops = list(loaded.template.stop_strings)
         self._shelf = shelf
@@ -289,7 +290,8 @@ class Scheduler:
             self.stats["prefill_calls"] += 1
             self.stats["background_calls"] += r.background
             ids, r.todo = r.todo[:n], r.todo[n:]
-            out = self._model(mx.array(ids)[None], cache=r.cache.layers)
+            want = not r.plan and not r.background  # only the last call's logits are read
+            out = prefill_logits(self._model, mx.array(ids)[None], r.cache.layers, want)
             r.cache.tokens.extend(ids)
             if r.plan:
                 mx.eval(r.cache.arrays())
@@ -300,7 +302,8 @@ class Scheduler:
                 self._complete(r, emit_result=False)
                 r.emit(Stopped())
                 return True
-            logits = out[0, -1]
+            assert out is not None
+            logits = out
             mx.eval(logits, r.cache.arrays())
             self._prefilling.remove(r)
             if r.sampler is None:

@@ -1,0 +1,270 @@
+"""The output projection at the BLAS's speed: one row through ``sgemv``, not ``sgemm``.
+
+MLX's CPU backend runs every matmul as ``cblas_sgemm``. For the output projection of a
+single decoding agent (``h @ W.T`` with ``h`` of shape 1×hidden and ``W`` the
+vocab×hidden head, 262144×640 fp32 = 671 MB for the embedded Gemma 3) a 1-row sgemm
+costs 1.7-2.4× what a matrix-vector product costs on the same memory (measured 64 vs
+29 ms), presumably because OpenBLAS packs the matrix for a product whose other side is
+one vector (``benchmarks/mlx_gemv_repro.py`` shows it in a few lines, for upstream).
+
+``ProjectedModel`` composes an mlx-lm model without changing it: it runs the model's
+body (``model.model``), then the projection itself. At batch 1 the last position (the
+only one a decoder samples from) goes to ``cblas_sgemv`` over a zero-copy numpy view
+of MLX's weight buffer; all other rows, and every row of a batch of several agents, go
+through MLX's own matmul, bit-identical to the model's own call.
+
+The sgemv is the one of the OpenBLAS that MLX's own matmuls use (``kvshelf.model.blas``
+preloads it), called through ctypes, not numpy's ``W @ h``: numpy bundles a second
+OpenBLAS with its own thread pool, and the two pools' spinning threads fight over the
+cores between the body's sgemms and the projection (measured: a whole decode step got
+slower than MLX's own, though numpy's gemv alone was 2x faster). With one pool the step
+gains what the projection gains. Without that OpenBLAS (macOS, ``KVSHELF_NO_OPENBLAS``)
+the model keeps its own call.
+
+Exactness, and where it ends: ``sgemv`` sums each dot product in another order than
+``sgemm``, so the last position of a batch-1 call differs from MLX's own logits in the
+last bits (up to 6e-5 on real hidden rows of the embedded model, whose logits reach
+tens; always within ``dot_error_bound``). Every batch-1 call projects its last position
+the same way, so prefill's last token (a short prompt in one call or a long one ending
+with a 1-token call) and decode at batch 1 are bit-identical to one another, and a
+restored agent continues exactly as one in RAM. The price: a batch-1 call of several
+positions (a prefill chunk) pays that sgemv on top of MLX's rows, about 30 ms on the
+embedded model, also for chunks whose logits are never read. A decode step with several
+agents uses MLX's rows, which were never bit-identical to one agent's row alone:
+OpenBLAS picks its sgemm kernel by shape, and a row of a 3-row product differs from
+that row in an 8- or 1-row one (up to 1e-6 on the tiny test models). So, as before,
+batched decode equals one-by-one decode token for token, not logit for logit: all rows
+of one agent lie within ``dot_error_bound`` of each other, and the greedy token is
+provably the same whenever the top logit wins by more than the bounds, which
+``greedy_is_certain`` checks.
+
+The gemv path is taken only where it is known to be the same function: unquantized
+fp32 weights on the CPU device, an architecture whose ``__call__`` is exactly body then
+projection (verified at load on a probe input: bit-identical to the model's own call
+through MLX's matmul, and within the bound through gemv). Anything else (quantized
+heads, logit soft-capping, GPU) runs the model's own ``__call__``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Callable
+from functools import cache
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from kvshelf.model import blas
+
+UNIT_ROUNDOFF = 2.0**-24  # fp32
+
+
+def _error_factor(k: int) -> float:
+    """Higham's gamma_k: any fp32 summation order of a k-term dot product is this close."""
+    # (k + 1) rather than k: one rounding more than a k-term sum can make, as a margin.
+    ku = (k + 1) * UNIT_ROUNDOFF
+    return ku / (1.0 - ku)
+
+
+def dot_error_bound(weight: np.ndarray, h: np.ndarray) -> np.ndarray:
+    """Per-logit bound on |fp32 ``weight @ h`` − exact|, for any summation order.
+
+    ``gamma_k * sum_j |w_ij h_j|``; two fp32 evaluations (sgemv and sgemm) therefore
+    differ by at most twice this. Computed in chunks so it never copies ``weight``.
+    """
+    ah = np.abs(h.astype(np.float64))
+    out = np.empty(weight.shape[0], dtype=np.float64)
+    step = 1 << 14
+    for i in range(0, weight.shape[0], step):
+        out[i : i + step] = np.abs(weight[i : i + step]).astype(np.float64) @ ah
+    return _error_factor(weight.shape[1]) * out
+
+
+def greedy_is_certain(logits: np.ndarray, bound: np.ndarray) -> bool:
+    """True when the argmax of ``logits`` is the argmax of any other fp32 evaluation of
+    the same products: the winner beats every other logit by more than both error bounds
+    (``bound`` = ``dot_error_bound``, each evaluation within it of the exact value)."""
+    a = int(np.argmax(logits))
+    margin = logits[a].astype(np.float64) - logits.astype(np.float64) - 2 * (bound[a] + bound)
+    margin[a] = np.inf
+    return bool(np.all(margin > 0))
+
+
+CBLAS_ROW_MAJOR, CBLAS_NO_TRANS = 101, 111
+
+
+def buffer_view(a: mx.array) -> np.ndarray:
+    """A numpy array over ``a``'s own memory: MLX exports the buffer protocol, so no copy
+    (``a`` is evaluated first if it is still lazy)."""
+    return np.asarray(memoryview(a))  # type: ignore[arg-type]  # mlx's stubs do not declare __buffer__
+
+
+@cache
+def _cblas_sgemv(path: str) -> Any:
+    fn = ctypes.CDLL(path).cblas_sgemv
+    fn.restype = None
+    i, f, p = ctypes.c_int, ctypes.c_float, ctypes.c_void_p
+    fn.argtypes = [i, i, i, i, f, p, i, p, i, f, p, i]
+    return fn
+
+
+def system_sgemv() -> Callable[[np.ndarray, np.ndarray], np.ndarray] | None:
+    """``y = weight @ x`` through the OpenBLAS MLX's matmuls use, or None if it is not loaded.
+
+    ctypes releases the GIL for the call, as MLX does for its own work.
+    """
+    if blas.loaded_path is None:
+        return None
+    fn = _cblas_sgemv(blas.loaded_path)
+
+    def sgemv(weight: np.ndarray, x: np.ndarray) -> np.ndarray:
+        weight = np.ascontiguousarray(weight, dtype=np.float32)  # a view already, never copied in practice
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        rows, cols = weight.shape
+        if x.shape != (cols,):
+            raise ValueError(f"sgemv: {weight.shape} @ {x.shape}")
+        y = np.empty(rows, dtype=np.float32)
+        fn(
+            CBLAS_ROW_MAJOR,
+            CBLAS_NO_TRANS,
+            rows,
+            cols,
+            1.0,
+            weight.ctypes.data,
+            cols,
+            x.ctypes.data,
+            1,
+            0.0,
+            y.ctypes.data,
+            1,
+        )
+        return y
+
+    return sgemv
+
+
+def _projection(model: nn.Module) -> tuple[Callable[[mx.array], mx.array], nn.Module] | None:
+    """The model's own output projection and the layer holding its weight, if it has one of
+    the two shapes mlx-lm uses (an ``lm_head`` or tied ``embed_tokens.as_linear``)."""
+    if "lm_head" in model:
+        head = model["lm_head"]
+        return head, head
+    body = model.get("model")
+    if isinstance(body, nn.Module) and "embed_tokens" in body:
+        emb = body["embed_tokens"]
+        if hasattr(emb, "as_linear"):
+            return emb.as_linear, emb
+    return None
+
+
+def _gemv_weight(layer: nn.Module) -> mx.array | None:
+    """The weight if ``layer`` is a plain fp32 matrix that ``sgemv`` computes the same
+    function with: an ``nn.Linear`` without bias or an ``nn.Embedding``, on the CPU."""
+    if type(layer) not in (nn.Linear, nn.Embedding) or "bias" in layer:
+        return None
+    weight = layer["weight"]
+    if weight.dtype != mx.float32 or weight.ndim != 2 or mx.default_device() != mx.cpu:
+        return None
+    return weight
+
+
+class ProjectedModel:
+    """An mlx-lm model whose batch-1 output projection runs as a matrix-vector product.
+
+    Called like the model (``inputs``, ``cache``); every other attribute is the model's.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        project: Callable[[mx.array], mx.array],
+        head: nn.Module,
+        sgemv: Callable[[np.ndarray, np.ndarray], np.ndarray],
+    ) -> None:
+        self.inner = model
+        self._project = project
+        self._head = head
+        self._sgemv = sgemv
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "inner":  # not set yet (copy, unpickling): no recursion
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+    def weight_view(self) -> np.ndarray:
+        """The head's weight as a read-only numpy array over MLX's own buffer (no copy).
+
+        Looked up on every call, so weights replaced after loading are the ones used.
+        """
+        view = buffer_view(self._head["weight"])
+        view.flags.writeable = False
+        return view
+
+    def gemv(self, h: mx.array) -> mx.array:
+        """Logits for one hidden row ``h`` (shape ``(hidden,)``) through the BLAS's sgemv."""
+        return mx.array(self._sgemv(self.weight_view(), buffer_view(h.astype(mx.float32))))
+
+    def project(self, hidden: mx.array) -> mx.array:
+        """Logits for ``hidden`` of shape (batch, length, dim): MLX's matmul for every row,
+        except that at batch 1 the last position goes through ``gemv``."""
+        if hidden.shape[0] != 1:
+            return self._project(hidden)
+        last = self.gemv(hidden[0, -1])[None, None]
+        if hidden.shape[1] == 1:
+            return last
+        return mx.concatenate([self._project(hidden[:, :-1]), last], axis=1)
+
+    def __call__(self, inputs: mx.array, cache: Any = None, **kwargs: Any) -> mx.array:
+        return self.project(self.inner.model(inputs, cache, **kwargs))
+
+
+def prefill_logits(model: nn.Module | ProjectedModel, inputs: mx.array, cache: Any, want: bool) -> mx.array | None:
+    """One prefill call for one agent: the cache takes ``inputs``; the last position's
+    logits come back only if ``want`` (a chunk before the last needs none).
+
+    MLX is lazy, so through the model's own call an unread projection is never computed;
+    the gemv path is eager, so it is asked only for the last position when wanted. That
+    row is the very one ``ProjectedModel.__call__`` would give, so the result does not
+    depend on how the prompt was cut into calls.
+    """
+    if isinstance(model, ProjectedModel):
+        hidden = model.inner.model(inputs, cache)
+        return model.project(hidden[:, -1:])[0, -1] if want else None
+    out = model(inputs, cache=cache)
+    return out[0, -1] if want else None
+
+
+def with_fast_head(model: nn.Module, probe_len: int = 4) -> nn.Module | ProjectedModel:
+    """``model`` wrapped as a ``ProjectedModel`` if that is provably the same function,
+    else ``model`` itself.
+
+    The probe runs the model's own ``__call__`` on a few tokens and requires (1) the body
+    followed by MLX's projection to give bit-identical logits (no soft-capping or scaling
+    the wrapper would miss) and (2) the gemv logits of the last position to lie within
+    the dot-product error bound of the model's own.
+    """
+    found = _projection(model)
+    sgemv = system_sgemv()
+    if found is None or sgemv is None or _gemv_weight(found[1]) is None:
+        return model
+    wrapped = ProjectedModel(model, *found, sgemv)
+    if not wrapped.weight_view().flags.c_contiguous:  # sgemv would need a copy per call
+        return model
+    vocab = found[1]["weight"].shape[0]
+    probe = mx.array([[(7 * i + 1) % vocab for i in range(probe_len)]])
+    try:
+        reference = model(probe)
+        hidden = model.model(probe)
+        mx.eval(reference, hidden)
+        if not mx.array_equal(found[0](hidden), reference).item():
+            return model
+        fast = np.asarray(wrapped(probe)[0, -1])
+        ref_row = np.asarray(reference[0, -1])
+        bound = dot_error_bound(wrapped.weight_view(), np.asarray(hidden[0, -1]))
+    except Exception:  # an architecture whose body cannot be called on its own
+        return model
+    if fast.shape != ref_row.shape or not np.all(np.abs(fast.astype(np.float64) - ref_row) <= 2 * bound):
+        return model
+    return wrapped
