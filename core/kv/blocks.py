@@ -105,6 +105,16 @@ def _map3(f: Callable[[mx.array], mx.array], q: QTriple) -> QTriple:
     return f(q[0]), f(q[1]), f(q[2])
 
 
+def each(q: QTriple, fn: Callable[[mx.array], mx.array]) -> QTriple:
+    """``fn`` applied alike to the packed words, the scales and the biases."""
+    return fn(q[0]), fn(q[1]), fn(q[2])
+
+
+def pairwise(a: QTriple, b: QTriple, fn: Callable[[mx.array, mx.array], mx.array]) -> QTriple:
+    """``fn`` on matching parts of two triples (words with words, scales with scales...)."""
+    return fn(a[0], b[0]), fn(a[1], b[1]), fn(a[2], b[2])
+
+
 def _blocks(n: int) -> int:
     return -(-n // BLOCK_TOKENS)
 
@@ -203,8 +213,9 @@ class QuantizedLayerCache(PackedFetch, _BaseCache):
 
         The base is whole blocks, so ``used`` and the row count agree modulo a block."""
         n = keys.shape[2]
+        assert self.keys is not None and self.values is not None  # _make_room allocated them
         for buf, new in ((self.keys, self._quantize(keys)), (self.values, self._quantize(values))):
-            for part, x in zip(buf, new):
+            for part, x in zip(buf, new, strict=True):
                 part[..., used : used + n, :] = x
 
     def fetch(self, dense_dtype: mx.Dtype, queries: int) -> tuple[Any, Any]:
@@ -218,13 +229,14 @@ class QuantizedLayerCache(PackedFetch, _BaseCache):
     def _rows(self, own: QTriple | None, which: str) -> QTriple:
         """All valid rows, the shared base's first, as one packed triple."""
         n = self.used - self.base_rows
-        mine = tuple(x[..., :n, :] for x in own) if own is not None else None
+        mine = each(own, lambda x: x[..., :n, :]) if own is not None else None
         if self.base is None:
-            return mine  # type: ignore[return-value]
-        shared = getattr(self.base, which)
+            assert mine is not None  # a cache without a base has its own rows
+            return mine
+        shared: QTriple = getattr(self.base, which)
         if not n or mine is None:
             return shared
-        return tuple(mx.concatenate([b, x], axis=2) for b, x in zip(shared, mine))
+        return pairwise(shared, mine, lambda b, x: mx.concatenate([b, x], axis=2))
 
     # -- rows for a decode working set (kvshelf.kv.working_set) ---------------------
     def packed_rows(self, which: str, lo: int, hi: int) -> QTriple:
@@ -298,16 +310,15 @@ class QuantizedLayerCache(PackedFetch, _BaseCache):
             return
         rows = _blocks(need) * BLOCK_TOKENS
         keep = own_used - drop
-        grown = []
-        for buf, like in ((self.keys, keys), (self.values, values)):
+        assert self.values is not None
+
+        def regrown(buf: QTriple, like: mx.array) -> QTriple:
             fresh = self._empty(like, rows)
-            grown.append(
-                tuple(
-                    mx.concatenate([x[..., drop : drop + keep, :], f[..., keep:, :]], axis=2)
-                    for x, f in zip(buf, fresh)
-                )
+            return pairwise(
+                buf, fresh, lambda x, f: mx.concatenate([x[..., drop : drop + keep, :], f[..., keep:, :]], axis=2)
             )
-        self.keys, self.values = grown
+
+        self.keys, self.values = regrown(self.keys, keys), regrown(self.values, values)
         self.start = new_start
 
     def unshare(self) -> None:
@@ -321,8 +332,8 @@ class QuantizedLayerCache(PackedFetch, _BaseCache):
 
         def join(shared: QTriple, own: QTriple | None) -> QTriple:
             if own is None:
-                return tuple(x[..., : x.shape[2], :] for x in shared)
-            return tuple(mx.concatenate([x, o], axis=2) for x, o in zip(shared, own))
+                return each(shared, lambda x: x[..., : x.shape[2], :])
+            return pairwise(shared, own, lambda x, o: mx.concatenate([x, o], axis=2))
 
         self.keys, self.values = join(self.base.keys, self.keys), join(self.base.values, self.values)
         self.base = None
@@ -330,9 +341,9 @@ class QuantizedLayerCache(PackedFetch, _BaseCache):
     def clone(self) -> QuantizedLayerCache:
         """A copy that shares every array (and the base) until either side writes."""
         twin = copy.copy(self)
-        if self.keys is not None:  # new objects: writes go through ``x[...] = y``
-            twin.keys = tuple(x[..., : x.shape[2], :] for x in self.keys)
-            twin.values = tuple(x[..., : x.shape[2], :] for x in self.values)
+        if self.keys is not None and self.values is not None:  # new objects: writes go through ``x[...] = y``
+            twin.keys = each(self.keys, lambda x: x[..., : x.shape[2], :])
+            twin.values = each(self.values, lambda x: x[..., : x.shape[2], :])
         return twin
 
     def attach_base(self, base: SharedLayer) -> None:
@@ -341,11 +352,14 @@ class QuantizedLayerCache(PackedFetch, _BaseCache):
         if base.start != self.start or base.rows > self.used or self.base is not None:
             raise ValueError("a shared base must cover this cache's first rows")
         rest = self.used - base.rows
-        if self.keys is not None:
+        if self.keys is not None and self.values is not None:
             if rest:  # own copies of the rows after the base, so the old buffer can go
                 end = base.rows + _blocks(rest) * BLOCK_TOKENS
-                own = lambda q: tuple(mx.contiguous(x[..., base.rows : end, :]) for x in q)  # noqa: E731
-                self.keys, self.values = own(self.keys), own(self.values)
+
+                def own(x: mx.array) -> mx.array:
+                    return mx.contiguous(x[..., base.rows : end, :])
+
+                self.keys, self.values = each(self.keys, own), each(self.values, own)
             else:
                 self.keys = self.values = None
         self.base = base
@@ -386,7 +400,7 @@ class QuantizedLayerCache(PackedFetch, _BaseCache):
     @property
     def nbytes(self) -> int:
         """Bytes this cache holds alone (a shared base is counted once, by the pool)."""
-        if self.keys is None:
+        if self.keys is None or self.values is None:
             return 0
         return sum(x.nbytes for x in (*self.keys, *self.values))
 

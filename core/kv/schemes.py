@@ -34,7 +34,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from kvshelf.kv.blocks import SCALE_DTYPE, LayerRows, QTriple, QuantizedLayerCache, SharedLayer
+from kvshelf.kv.blocks import SCALE_DTYPE, LayerRows, QTriple, QuantizedLayerCache, SharedLayer, each
 from kvshelf.model.spec import BLOCK_TOKENS, LayerSpec
 
 FP16 = mx.float16
@@ -111,20 +111,22 @@ class SchemeLayerCache(QuantizedLayerCache):
             new_k, new_v = keys[..., :take, :].astype(FP16), values[..., :take, :].astype(FP16)
             self.sink_k = new_k if self.sink_k is None else mx.concatenate([self.sink_k, new_k], axis=2)
             self.sink_v = new_v if self.sink_v is None else mx.concatenate([self.sink_v, new_v], axis=2)
-        for part, x in zip(self.values, self._code(values, sch.rotate_values)):
+        assert self.keys is not None and self.values is not None  # _make_room allocated them
+        for part, x in zip(self.values, self._code(values, sch.rotate_values), strict=True):
             part[..., used : used + n, :] = x
         if not sch.channel_keys:
-            for part, x in zip(self.keys, self._code(keys, sch.rotate_keys)):
+            for part, x in zip(self.keys, self._code(keys, sch.rotate_keys), strict=True):
                 part[..., used : used + n, :] = x
             return
         tail = used % BLOCK_TOKENS  # the buffer starts on a block boundary
         pending = keys.astype(FP16)
         if tail:
+            assert self.k_tail is not None  # a partial block's keys wait in the fp16 tail
             pending = mx.concatenate([self.k_tail, pending], axis=2)
         full = (tail + n) // BLOCK_TOKENS * BLOCK_TOKENS
         if full:
             row = used - tail
-            for part, x in zip(self.keys, self._quantize_blocks(pending[..., :full, :])):
+            for part, x in zip(self.keys, self._quantize_blocks(pending[..., :full, :]), strict=True):
                 part[..., row : row + full, :] = x
         self.k_tail = pending[..., full:, :]
 
@@ -167,10 +169,11 @@ class SchemeLayerCache(QuantizedLayerCache):
             x = self._dequantize(q, dtype)
             x = _rotate(x) if self.scheme.rotate_keys else x
         else:
+            assert self.k_tail is not None  # per-channel keys always keep a (maybe empty) tail
             full = q[0].shape[2] - self.k_tail.shape[2]
             x = self.k_tail.astype(dtype)
             if full:
-                head = self._dequantize_blocks(tuple(a[..., :full, :] for a in q), dtype)
+                head = self._dequantize_blocks(each(q, lambda a: a[..., :full, :]), dtype)
                 x = mx.concatenate([head, x], axis=2)
         return self._with_sinks(x, self.sink_k)
 
@@ -220,7 +223,7 @@ class SchemeLayerCache(QuantizedLayerCache):
         # Rows below the tail are whole quantized blocks; remember where they end.
         full = self.used - self.k_tail.shape[2] if self.k_tail is not None else 0
         super().rewind_to(position)
-        if self.sink_k is not None and position < self.sink_k.shape[2]:
+        if self.sink_k is not None and self.sink_v is not None and position < self.sink_k.shape[2]:
             self.sink_k, self.sink_v = self.sink_k[..., :position, :], self.sink_v[..., :position, :]
         if self.keys is None and self.base is None:
             self.k_tail = self.sink_k = self.sink_v = None
@@ -230,10 +233,12 @@ class SchemeLayerCache(QuantizedLayerCache):
         used = self.used
         row = used // BLOCK_TOKENS * BLOCK_TOKENS
         if row >= full:
+            assert self.k_tail is not None
             self.k_tail = self.k_tail[..., : used - full, :]
         else:  # back into a quantized block: its kept rows become the fp16 tail
+            assert self.keys is not None  # rows below ``full`` that are not the base's are our own
             own_row = row - self.base_rows  # the base is whole blocks below ``full``
-            block = tuple(a[..., own_row : own_row + BLOCK_TOKENS, :] for a in self.keys)
+            block = each(self.keys, lambda a: a[..., own_row : own_row + BLOCK_TOKENS, :])
             self.k_tail = self._dequantize_blocks(block, mx.float32)[..., : used - row, :].astype(FP16)
 
     # -- persistence --------------------------------------------------------------------
