@@ -6,8 +6,9 @@ and side by side, for each model and context length:
 
 - kvshelf's step with the default KV scheme and with plain per-token Q4, at batch
   1, 2, 4 and 8: the scheduler's own path (the decode working set,
-  ``kvshelf.kv.working_set``, kept across steps), and the per-step path it replaced
-  ("per-step": the model called on the agents' layer caches, one ``BatchLayerView``
+  ``kvshelf.kv.working_set``, kept across steps, and the batch-1 output projection
+  through sgemv, ``kvshelf.model.head``), and the per-step path it replaced
+  ("per-step": the model's own call on the agents' layer caches, one ``BatchLayerView``
   per layer when several agents decode together);
 - mlx-lm's own step on the same model with its fp32 ``KVCache``/``RotatingKVCache``
   (batch 1: what ``mlx_lm.generate`` runs);
@@ -48,6 +49,7 @@ from kvshelf.kv.agent_cache import AgentCache
 from kvshelf.kv.batch import batch_views
 from kvshelf.kv.schemes import DEFAULT_SCHEME, SCHEMES
 from kvshelf.kv.working_set import WorkingSets
+from kvshelf.model.head import ProjectedModel, with_fast_head
 from kvshelf.model.loader import load, materialize
 from kvshelf.model.spec import ModelCacheSpec
 
@@ -132,7 +134,7 @@ def _state(c: Any) -> list[mx.array]:
 
 
 def step_ms(
-    model: nn.Module, agents: list[list[Any]], steps: int, warmup: int, working: bool = False
+    model: nn.Module | ProjectedModel, agents: list[list[Any]], steps: int, warmup: int, working: bool = False
 ) -> tuple[list[float], int]:
     """Milliseconds per decode step for these agents decoding together (one token each),
     and the working set's bytes (``working``: the scheduler's path; else per-step)."""
@@ -168,6 +170,7 @@ def run(models: list[str], contexts: list[int], batches: list[int], steps: int, 
         model = build_model(name)
         spec = ModelCacheSpec.from_model(model)
         wbytes = weight_bytes(model)
+        fast = with_fast_head(model)  # what the engine runs: the batch-1 projection through sgemv
         floor_ms = wbytes / (gbs * 1e9) * 1e3
         print(f"\n{name}: {len(spec.layers)} layers, weights {wbytes / 1e9:.3f} GB, floor {floor_ms:.1f} ms/step")
         for context in contexts:
@@ -186,7 +189,7 @@ def run(models: list[str], contexts: list[int], batches: list[int], steps: int, 
                 for batch in batches:
                     for working, path in ((True, scheme), (False, f"{scheme} per-step")):
                         members = [_clone(layers) for layers in agents[:batch]]
-                        t, ws_bytes = step_ms(model, members, steps, warmup, working)
+                        t, ws_bytes = step_ms(fast if working else model, members, steps, warmup, working)
                         row = _row(name, context, path, batch, t, floor_ms, wbytes, kv_bytes(members), gbs)
                         rows.append({**row, "working_set_mb": round(ws_bytes / 1e6, 1)})
                 del agents
