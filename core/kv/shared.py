@@ -26,20 +26,11 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, cast
 
 import numpy as np
 
 from kvshelf.kv.blocks import SharedLayer
-
-if TYPE_CHECKING:
-    import mlx.core as mx
-    from typing_extensions import Buffer
-
-
-def _buffer(array: mx.array) -> memoryview:
-    """The array's memory, borrowed: mx.array has the buffer protocol, but mlx's stubs do not declare it."""
-    return memoryview(cast("Buffer", array))
+from kvshelf.model.arrays import borrow
 
 
 def prefix_id(scheme: str, tokens: list[int], layers: list[SharedLayer | None]) -> str:
@@ -51,7 +42,7 @@ def prefix_id(scheme: str, tokens: list[int], layers: list[SharedLayer | None]) 
     h.update(np.asarray(tokens, dtype=np.int32).tobytes())
     for layer in layers:
         for x in (*layer.keys, *layer.values) if layer is not None else ():
-            h.update(_buffer(x))
+            h.update(borrow(x))
     return "prefix-" + h.hexdigest()
 
 

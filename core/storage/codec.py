@@ -30,16 +30,14 @@ import math
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import IO, TYPE_CHECKING, Any, NamedTuple, cast
+from typing import IO, Any, NamedTuple
 
 import mlx.core as mx
 import numpy as np
 
 from kvshelf.errors import RecordRejected
 from kvshelf.kv.record import CacheRecord
-
-if TYPE_CHECKING:
-    from typing_extensions import Buffer
+from kvshelf.model.arrays import borrow
 
 __all__ = ["FORMAT_VERSION", "TOKENS_TENSOR", "Decoded", "RecordRejected", "decode", "encode", "read_token_count"]
 
@@ -118,11 +116,6 @@ def _tokens_payload(tokens: Sequence[int]) -> _Payload:
     return _Payload(TOKENS_TENSOR, _BY_NAME["I32"], narrow.shape, narrow.data.cast("B"))
 
 
-def _buffer(array: mx.array) -> memoryview:
-    """The array's memory, borrowed: mx.array has the buffer protocol, but mlx's stubs do not declare it."""
-    return memoryview(cast("Buffer", array))
-
-
 def _tensor_payloads(tensors: Mapping[str, mx.array]) -> list[_Payload]:
     """Borrow each tensor's bytes without copying (unless it is non-contiguous)."""
     if not isinstance(tensors, Mapping):
@@ -144,11 +137,11 @@ def _tensor_payloads(tensors: Mapping[str, mx.array]) -> list[_Payload]:
         if array.size == 0:
             payloads.append(_Payload(name, dtype, shape, memoryview(b"")))
             continue
-        view = _buffer(array)
+        view = borrow(array)
         if not view.c_contiguous:  # transposed or sliced: the one case that needs a copy
             array = mx.contiguous(array)
             mx.eval(array)
-            view = _buffer(array)
+            view = borrow(array)
         payloads.append(_Payload(name, dtype, shape, view.cast("B")))
     return payloads
 
