@@ -11,15 +11,18 @@ from __future__ import annotations
 
 import json
 import logging
+import socket
 from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import quote
 
+import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import kvshelf  # noqa: F401  (OpenBLAS before mlx)
+from tests.support.servers import ServerThread
 from tests.support.tiny import make_tiny_model_dir
 
 pytest.importorskip("fastapi")
@@ -252,3 +255,62 @@ def test_no_prompt_text_in_logs(served, caplog):
     for fragment in ("PURPLE", "ELEPHANT", "7431", "bank PIN"):
         assert fragment not in logged
     assert caplog.records  # there were log lines (warnings, access lines) to search
+
+
+# -- oversized bodies, whatever their framing (a real server on a loopback port) ---------------
+LIMIT = 32 << 20  # the server's default limit
+MiB = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def real_server(served) -> Iterator[str]:
+    """uvicorn on a loopback port over the same engine, with the default 32 MiB limit:
+    chunked framing is decided by the real HTTP parser, which the TestClient skips."""
+    _, engine = served
+    server = ServerThread(create_app(engine, close_engine=False))
+    yield server.url
+    server.stop()
+
+
+def padded_chat(total: int) -> Iterator[bytes]:
+    """A valid chat body of about ``total`` bytes (the padding is an ignored field), sent
+    in 1 MiB pieces: a generator body goes out with ``Transfer-Encoding: chunked``."""
+    yield b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "padding": "'
+    sent = 0
+    while sent < total:
+        yield b"x" * MiB
+        sent += MiB
+    yield b'"}'
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/tokenize"])
+def test_a_chunked_40_mb_body_is_a_413_and_the_connection_lives_on(real_server, path):
+    with httpx.Client(base_url=real_server, timeout=120) as http:
+        r = http.post(path, content=padded_chat(40 * MiB), headers={"Content-Type": "application/json"})
+        assert r.request.headers.get("transfer-encoding") == "chunked" and "content-length" not in r.request.headers
+        assert r.status_code == 413, r.text[:300]
+        assert r.json()["error"]["code"] == "request_too_large"
+        # the same keep-alive connection answers the next request, and a small chunked body is served
+        r = http.post(path, content=padded_chat(MiB), headers={"Content-Type": "application/json"})
+        assert r.status_code == 200, r.text[:300]
+        assert http.get("/health").status_code == 200
+
+
+def test_the_413_comes_as_soon_as_the_limit_is_passed(real_server):
+    """The answer arrives while the client is still sending: the server stops counting at
+    the limit instead of reading (and holding) whatever a client sends."""
+    host, port = real_server.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=60) as sock:
+        sock.sendall(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Transfer-Encoding: chunked\r\n\r\n"
+        )
+        piece = b"x" * MiB
+        for _ in range(LIMIT // MiB + 1):  # one MiB past the limit, and the body never ends
+            sock.sendall(b"%x\r\n%s\r\n" % (len(piece), piece))
+        head = b""
+        while b"\r\n\r\n" not in head:
+            got = sock.recv(65536)
+            assert got, "the server closed the connection without answering"
+            head += got
+    assert head.startswith(b"HTTP/1.1 413 "), head[:200]

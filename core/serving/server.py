@@ -30,7 +30,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvshelf.errors import ApiError, InvalidAgentId, KVShelfError, UnknownAgent
 from kvshelf.runtime.engine import AgentInfo, ChatResult, Engine
@@ -94,33 +94,90 @@ async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
 
 # -- the app ---------------------------------------------------------------------------------
 class Guard:
-    """Checks the API key (constant-time) and the body size before anything else runs."""
+    """Checks the API key (constant-time) and the body size before anything else runs.
+
+    The size is counted on the bytes received, not on what ``Content-Length`` claims, so
+    a chunked body (which has no length) is held to the same limit: the body is read
+    here, before the app sees a byte of it, and refused with a 413 as soon as it passes
+    ``max_body_bytes``. The rest of an oversized body is never read into memory (uvicorn
+    discards it), and the connection stays open for the client's next request.
+    """
 
     def __init__(self, app: ASGIApp, api_key: str | None, max_body_bytes: int) -> None:
         self.app, self.key, self.max_body = app, (api_key or "").encode(), max_body_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http":
-            headers = Headers(scope=scope)
-            refusal = None
-            if self.key and scope["path"] != "/health":
-                scheme, _, token = headers.get("authorization", "").partition(" ")
-                if not token and not scheme:
-                    refusal = ApiError(
-                        "You didn't provide an API key. Send it as 'Authorization: Bearer KEY' "
-                        "(the key given to 'kvshelf serve --api-key').",
-                        401,
-                    )
-                elif scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.key):
-                    refusal = ApiError("Incorrect API key provided.", 401, "invalid_api_key")
-            length = headers.get("content-length", "0")
-            if refusal is None and (not length.isdigit() or int(length) > self.max_body):
-                refusal = ApiError(f"The request body is over {self.max_body} bytes.", 413, "request_too_large")
-            if refusal is not None:
-                status, body = error_response(refusal)
-                extra = {"WWW-Authenticate": "Bearer"} if status == 401 else None
-                return await JSONResponse(body, status, headers=extra)(scope, receive, send)
-        await self.app(scope, receive, send)
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = Headers(scope=scope)
+        refusal = self._refusal(scope["path"], headers)
+        body = b""
+        if refusal is None:
+            try:
+                body = await self._read_body(receive)
+            except ClientGone:
+                return None  # nobody is left to answer
+            except _BodyTooLarge:
+                refusal = self._too_large()
+        if refusal is not None:
+            status, error = error_response(refusal)
+            extra = {"WWW-Authenticate": "Bearer"} if status == 401 else None
+            return await JSONResponse(error, status, headers=extra)(scope, receive, send)
+        await self.app(scope, _replay(body, receive), send)
+
+    def _refusal(self, path: str, headers: Headers) -> ApiError | None:
+        """A missing or wrong API key, or a declared length over the limit (refused unread)."""
+        if self.key and path != "/health":
+            scheme, _, token = headers.get("authorization", "").partition(" ")
+            if not token and not scheme:
+                return ApiError(
+                    "You didn't provide an API key. Send it as 'Authorization: Bearer KEY' "
+                    "(the key given to 'kvshelf serve --api-key').",
+                    401,
+                )
+            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.key):
+                return ApiError("Incorrect API key provided.", 401, "invalid_api_key")
+        length = headers.get("content-length")
+        if length is not None and (not length.isdigit() or int(length) > self.max_body):
+            return self._too_large()
+        return None
+
+    def _too_large(self) -> ApiError:
+        return ApiError(f"The request body is over {self.max_body} bytes.", 413, "request_too_large")
+
+    async def _read_body(self, receive: Receive) -> bytes:
+        """The whole body, whatever its framing; _BodyTooLarge as soon as it passes the limit."""
+        parts, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                raise ClientGone
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_body:
+                raise _BodyTooLarge
+            parts.append(chunk)
+            if not message.get("more_body", False):
+                return b"".join(parts)
+
+
+class _BodyTooLarge(Exception):
+    """The body passed the guard's limit."""
+
+
+def _replay(body: bytes, receive: Receive) -> Receive:
+    """A ``receive`` that hands the app the body read by the guard, then the client's own
+    messages (a disconnect, which streaming answers watch for)."""
+    sent = False
+
+    async def replayed() -> Message:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replayed
 
 
 def _agent_body(a: AgentInfo) -> dict[str, Any]:
