@@ -134,6 +134,10 @@ bodies = (
             "n": json_values,
             "logprobs": json_values,
             "parallel_tool_calls": json_values,
+            "logit_bias": json_values | st.dictionaries(st.text(max_size=8), st.floats() | json_values, max_size=3),
+            "frequency_penalty": st.floats() | json_values,
+            "presence_penalty": st.floats() | json_values,
+            "top_logprobs": json_values,
         },
     )
     | json_values
@@ -314,3 +318,81 @@ def test_the_413_comes_as_soon_as_the_limit_is_passed(real_server):
             assert got, "the server closed the connection without answering"
             head += got
     assert head.startswith(b"HTTP/1.1 413 "), head[:200]
+
+
+# -- every OpenAI sampling field is honoured or refused, never silently ignored ----------------
+A, B = ord("a"), ord("b")  # the tiny byte tokenizer's ids are byte values
+
+
+def reply(client, **fields) -> str:
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 6, **fields}
+    r = client.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["message"]["content"]
+
+
+def test_logit_bias_and_the_penalties_are_honoured(served):
+    """A bias of 100 outweighs the random model's logits; the penalties then decide, turn
+    by turn, between two biased tokens exactly as OpenAI defines them."""
+    client, _ = served
+    assert reply(client, logit_bias={str(A): 100}) == "aaaaaa"
+    assert reply(client, logit_bias={str(A): 100}, temperature=1, seed=3) == "aaaaaa"
+    two = {str(A): 100, str(B): 99}
+    assert reply(client, logit_bias=two) == "aaaaaa"
+    # frequency: each use costs 2, so a and b take turns
+    assert reply(client, logit_bias=two, frequency_penalty=2) == "ababab"
+    # presence: a use costs 2 once, so b gets one turn and a the rest
+    assert reply(client, logit_bias=two, presence_penalty=2) == "abaaaa"
+    # a ban: the unbiased greedy reply's first token never comes first again
+    first = reply(client, max_tokens=1)
+    assert first and reply(client, max_tokens=1, logit_bias={str(ord(first)): -100}) != first
+
+
+def test_top_p_zero_is_greedy(served):
+    client, _ = served
+    greedy = reply(client)
+    assert reply(client, top_p=0, temperature=1, seed=5) == greedy
+    assert reply(client, top_p=0, temperature=2) == greedy
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"logit_bias": {"a": 1}}, "logit_bias"),
+        ({"logit_bias": {"-1": 1}}, "logit_bias"),
+        ({"logit_bias": {"97": 101}}, "logit_bias"),
+        ({"logit_bias": {"97": "x"}}, "logit_bias"),
+        ({"logit_bias": {"1000000": 5}}, None),  # past this model's vocabulary (the engine's check)
+        ({"frequency_penalty": 2.5}, "frequency_penalty"),
+        ({"presence_penalty": -3}, "presence_penalty"),
+        ({"top_logprobs": 2}, "top_logprobs"),
+        ({"logprobs": True, "top_logprobs": 2}, "logprobs"),
+        ({"top_p": -0.1}, "top_p"),
+    ],
+)
+def test_sampling_fields_kvshelf_cannot_honour_are_a_400(served, fields, param):
+    client, _ = served
+    r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], **fields})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and error["message"], error
+    if param is None:
+        assert "logit_bias" in error["message"] and "1000000" in error["message"]
+
+
+def test_parallel_tool_calls_false_keeps_one_call():
+    """Honoured where the reply is shaped (the model's text is the same either way)."""
+    from kvshelf.runtime.results import ChatResult, Usage
+    from kvshelf.serving.completions import completion, prepare
+    from kvshelf.serving.openai_api import ChatCompletionRequest
+
+    text = '<tool_call>{"name": "f", "arguments": {}}</tool_call><tool_call>{"name": "g", "arguments": {}}</tool_call>'
+    tools = [{"type": "function", "function": {"name": n}} for n in ("f", "g")]
+    for parallel, names in ((True, ["f", "g"]), (False, ["f"])):
+        req = ChatCompletionRequest.model_validate(
+            {"messages": [{"role": "user", "content": "x"}], "tools": tools, "parallel_tool_calls": parallel}
+        )
+        turn = prepare(req, None)
+        body = completion([text, ChatResult(text, "stop", Usage(1, 0, 1), 0.0)], turn, "m")
+        message = body["choices"][0]["message"]
+        assert [c["function"]["name"] for c in message["tool_calls"]] == names

@@ -282,7 +282,19 @@ class Engine:
         prompt = self._encode(validate_messages(messages))
         if params is None:
             return Request(aid, prompt, 1, None, [], emit)
-        sampler = Sampler(params.temperature, params.top_p, params.seed)
+        vocab = getattr(getattr(self.loaded.model, "args", None), "vocab_size", None)
+        if vocab is not None and params.logit_bias and params.logit_bias[-1][0] >= vocab:
+            raise ValueError(
+                f"logit_bias names token {params.logit_bias[-1][0]}; this model's token ids go up to {vocab - 1}"
+            )
+        sampler = Sampler(
+            params.temperature,
+            params.top_p,
+            params.seed,
+            logit_bias=dict(params.logit_bias),
+            frequency_penalty=params.frequency_penalty,
+            presence_penalty=params.presence_penalty,
+        )
         max_tokens = min(params.max_tokens, self.loaded.context_length - len(prompt))
         return Request(aid, prompt, max_tokens, sampler, list(params.stop), emit, until=until)
 

@@ -8,7 +8,7 @@ server.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 # OpenAI's own default is "until the context is full", which is minutes of CPU for a
@@ -23,7 +23,12 @@ class GenerationParams:
     ``temperature`` 0 is greedy decoding: the same prompt gives the same reply, which
     is what agent pipelines rerun in CI expect (OpenAI's default of 1 is not used).
     ``stop`` strings end the reply and are never part of it; ``seed`` makes sampling
-    at a temperature above 0 repeatable.
+    at a temperature above 0 repeatable. ``top_p`` 0 is greedy, as at OpenAI.
+
+    ``logit_bias`` (token id -> -100..100), ``frequency_penalty`` and
+    ``presence_penalty`` (-2..2) adjust the logits before each choice, as OpenAI
+    defines them (see ``kvshelf.runtime.sampling``); a dict given for ``logit_bias`` is
+    kept as sorted ``(token id, bias)`` pairs, so the params stay hashable.
     """
 
     max_tokens: int = DEFAULT_MAX_TOKENS
@@ -31,14 +36,25 @@ class GenerationParams:
     top_p: float = 1.0
     stop: tuple[str, ...] = field(default_factory=tuple)
     seed: int | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
 
     def __post_init__(self) -> None:
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise ValueError("max_tokens must be an integer of at least 1")
         if not 0.0 <= float(self.temperature) <= 2.0:
             raise ValueError("temperature must be between 0 and 2")
-        if not 0.0 < float(self.top_p) <= 1.0:
-            raise ValueError("top_p must be in (0, 1]")
+        if not 0.0 <= float(self.top_p) <= 1.0:
+            raise ValueError("top_p must be between 0 and 1")
+        for name in ("frequency_penalty", "presence_penalty"):
+            if not -2.0 <= float(getattr(self, name)) <= 2.0:
+                raise ValueError(f"{name} must be between -2 and 2")
+        pairs = self.logit_bias.items() if isinstance(self.logit_bias, Mapping) else self.logit_bias
+        bias = tuple(sorted((int(t), float(b)) for t, b in pairs))
+        if any(t < 0 or not -100.0 <= b <= 100.0 for t, b in bias):
+            raise ValueError("logit_bias maps token ids (>= 0) to a bias between -100 and 100")
+        object.__setattr__(self, "logit_bias", bias)
         stop = self.stop
         if isinstance(stop, str):
             stop = (stop,)
@@ -56,6 +72,9 @@ class GenerationParams:
         top_p: float | None = None,
         stop: str | Sequence[str] | None = None,
         seed: int | None = None,
+        logit_bias: Mapping[int, float] | None = None,
+        frequency_penalty: float | None = None,
+        presence_penalty: float | None = None,
     ) -> GenerationParams:
         """Build from optional fields (as an OpenAI body or an adapter call gives them):
         a field left as None takes the default."""
@@ -66,4 +85,7 @@ class GenerationParams:
             top_p=d.top_p if top_p is None else top_p,
             stop=() if stop is None else ((stop,) if isinstance(stop, str) else tuple(stop)),
             seed=seed,
+            logit_bias=tuple((logit_bias or {}).items()),
+            frequency_penalty=frequency_penalty or 0.0,
+            presence_penalty=presence_penalty or 0.0,
         )

@@ -1,4 +1,11 @@
-"""Choosing the next token: greedy at temperature 0, else temperature and nucleus (top-p).
+"""Choosing the next token: greedy at temperature 0 (or top_p 0), else temperature and nucleus (top-p).
+
+Before the choice, OpenAI's logit adjustments are added to the logits, as OpenAI
+defines them: ``logit_bias`` (a fixed amount per token id, -100 bans a token and 100
+all but forces it) and the ``frequency_penalty`` / ``presence_penalty`` of the tokens
+this reply has generated so far (``count * frequency + (count > 0) * presence`` is
+subtracted). Each is one small scatter-add over the few token ids concerned, and a
+request that sets none of them samples exactly as before.
 
 A ``seed`` gives each request its own random key, so a seeded request samples the
 same tokens however many other requests ran before or beside it.
@@ -6,15 +13,27 @@ same tokens however many other requests ran before or beside it.
 
 from __future__ import annotations
 
+from collections import Counter
+from collections.abc import Mapping
+
 import mlx.core as mx
 
 
 class Sampler:
-    def __init__(self, temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None):
+    def __init__(
+        self,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        *,
+        logit_bias: Mapping[int, float] | None = None,
+        frequency_penalty: float = 0.0,
+        presence_penalty: float = 0.0,
+    ):
         if not 0 <= temperature < float("inf"):  # also refuses NaN
             raise ValueError("temperature must be a finite number >= 0")
-        if not 0 < top_p <= 1:
-            raise ValueError("top_p must be in (0, 1]")
+        if not 0 <= top_p <= 1:
+            raise ValueError("top_p must be in [0, 1]")
         self.temperature = temperature
         self.top_p = top_p
         # MLX keys take a seed in [0, 2**64); any int is folded into that range here, in
@@ -22,10 +41,36 @@ class Sampler:
         # thread later (where it would fail every request of that step).
         self._seed = None if seed is None else int(seed) % 2**64
         self._key: mx.array | None = None  # made on first use, on the scheduler's thread
+        bias = {int(t): float(b) for t, b in (logit_bias or {}).items() if b}
+        self._bias = (list(bias), list(bias.values())) if bias else None
+        self.frequency_penalty, self.presence_penalty = float(frequency_penalty), float(presence_penalty)
+        self._counts: Counter[int] | None = Counter() if frequency_penalty or presence_penalty else None
 
     def __call__(self, logits: mx.array) -> mx.array:
         """``logits``: (vocab,) for one position. Returns a scalar token id array."""
-        if self.temperature == 0:
+        logits = self._adjusted(logits)
+        token = self._choose(logits)
+        if self._counts is not None:
+            self._counts[int(token)] += 1
+        return token
+
+    def _adjusted(self, logits: mx.array) -> mx.array:
+        """The logits with logit_bias added and the repetition penalties subtracted."""
+        if self._bias is None and not self._counts:
+            return logits
+        logits = logits.astype(mx.float32)
+        if self._bias is not None:
+            ids, amounts = self._bias
+            logits = logits.at[mx.array(ids)].add(mx.array(amounts, dtype=mx.float32))
+        if self._counts:
+            ids = list(self._counts)
+            counts = mx.array([self._counts[i] for i in ids], dtype=mx.float32)
+            penalty = self.frequency_penalty * counts + self.presence_penalty
+            logits = logits.at[mx.array(ids)].add(-penalty)
+        return logits
+
+    def _choose(self, logits: mx.array) -> mx.array:
+        if self.temperature == 0 or self.top_p == 0:  # OpenAI's top_p 0 keeps the top token alone
             return mx.argmax(logits, axis=-1)
         logits = logits.astype(mx.float32) / self.temperature
         if self.top_p < 1.0:

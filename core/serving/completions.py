@@ -13,7 +13,7 @@ import json
 import logging
 import re
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from kvshelf.errors import InvalidAgentId
@@ -104,6 +104,13 @@ def prepare(req: ChatCompletionRequest, header_agent: str | None, defaults: Gene
         "stop": req.stop,
         "seed": req.seed,
     }
+    if req.logit_bias or req.frequency_penalty or req.presence_penalty:  # see kvshelf.runtime.sampling
+        options["params"] = replace(
+            defaults,
+            logit_bias=tuple((int(t), b) for t, b in (req.logit_bias or {}).items()),
+            frequency_penalty=req.frequency_penalty or 0.0,
+            presence_penalty=req.presence_penalty or 0.0,
+        )
     if want_json and not use_tools:
         options["until"] = json_mode.end_of_object(opening)
     elif use_tools and opening:  # a forced call is one call: stop where it ends

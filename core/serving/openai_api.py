@@ -2,9 +2,12 @@
 
 Requests are validated here so that a wrong type, an empty ``messages``, an unknown
 role or an out-of-range number becomes a 400 with an OpenAI-style error object that
-names the offending parameter, never a crash. Fields that OpenAI defines and kvshelf
-does not use (``frequency_penalty``, ``metadata``, ...) and fields it does not know are
-accepted and ignored, so that clients and frameworks work unchanged.
+names the offending parameter, never a crash. Every sampling field OpenAI defines is
+honoured (``logit_bias``, ``frequency_penalty``, ``presence_penalty``, ``top_p`` 0 as
+greedy, ``parallel_tool_calls``) or refused with a 400 (``n`` > 1, ``logprobs``,
+``top_logprobs``); fields that change nothing about the reply (``metadata``, ``store``,
+``service_tier``, ...) and fields kvshelf does not know are accepted and ignored (the
+README lists them), so that clients and frameworks work unchanged.
 """
 
 from __future__ import annotations
@@ -105,7 +108,10 @@ class ChatCompletionRequest(BaseModel):
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0, le=2)
-    top_p: float | None = Field(default=None, gt=0, le=1)
+    top_p: float | None = Field(default=None, ge=0, le=1)  # 0: greedy, as OpenAI takes it
+    frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
+    presence_penalty: float | None = Field(default=None, ge=-2, le=2)
+    logit_bias: dict[str, float] | None = None
     seed: int | None = None
     stop: str | list[str] | None = None
     stream: bool = False
@@ -117,6 +123,7 @@ class ChatCompletionRequest(BaseModel):
     user: str | None = None
     n: int = 1
     logprobs: bool | None = None
+    top_logprobs: int | None = None
 
     @field_validator("n")
     @classmethod
@@ -130,6 +137,24 @@ class ChatCompletionRequest(BaseModel):
     def _no_logprobs(cls, value: bool | None) -> bool | None:
         if value:
             raise ValueError("logprobs are not supported by kvshelf; leave them out")
+        return value
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _no_top_logprobs(cls, value: int | None) -> int | None:
+        if value:
+            raise ValueError("top_logprobs needs logprobs, which kvshelf does not return; leave it out")
+        return value
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_biases(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        for token, bias in (value or {}).items():
+            if not token.isdigit() or not -100 <= bias <= 100:
+                raise ValueError(
+                    f"logit_bias maps token ids (as strings of digits) to a bias between -100 and 100; "
+                    f"got {token[:20]!r}: {bias}"
+                )
         return value
 
     @field_validator("stop")
