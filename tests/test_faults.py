@@ -20,6 +20,7 @@ import sys
 import time
 import weakref
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -27,7 +28,7 @@ import pytest
 
 import kvshelf  # noqa: F401  (OpenBLAS before mlx)
 from tests.support.crashkit import KILL_MODES, Ledger, crash_once, warm_restore_check
-from tests.support.servers import wait_up
+from tests.support.servers import ServerThread, wait_up
 from tests.support.tiny import make_tiny_model_dir
 
 pytest.importorskip("fastapi")
@@ -174,6 +175,80 @@ def test_full_disk_save_fails_clearly_serving_goes_on_and_the_save_is_retried(
     reusable = common_prefix_length(in_ram, restarted._encode(fourth))
     assert again.cache == "warm" and again.usage.cached_tokens == reusable
     assert reusable > common_prefix_length(good_tokens, restarted._encode(fourth))  # more than turn 1 held
+    restarted.close()
+
+
+# -- a read-only store -------------------------------------------------------------------------
+@contextmanager
+def read_only(directory: Path) -> Iterator[None]:
+    """``directory`` read-only for every process, root included: a bind mount of it onto
+    itself, remounted read-only (chmod does not stop root, and the tests run as root).
+    Skipped where mount(2) is not allowed (not root, a container without CAP_SYS_ADMIN,
+    a Mac), with the reason in the skip message."""
+    done = subprocess.run(["mount", "--bind", str(directory), str(directory)], capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip(f"a read-only bind mount needs root and mount(2), which this machine refuses: {done.stderr}")
+    try:
+        subprocess.run(["mount", "-o", "remount,ro,bind", str(directory)], check=True)
+        yield
+    finally:
+        subprocess.run(["umount", str(directory)], check=True)
+
+
+def client_port(r: httpx.Response) -> int:
+    """The client side's port of the connection a response came on."""
+    return r.extensions["network_stream"].get_extra_info("client_addr")[1]
+
+
+def test_a_read_only_store_is_read_without_locks_and_every_write_says_saved_false(llama, tmp_path, caplog):
+    root = tmp_path / "cache"
+    engine = Engine(model=llama, cache_dir=root, durable=True, progress=False)
+    server = ServerThread(create_app(engine, close_engine=False))
+    store = engine._shelf.store
+
+    def say(http: httpx.Client, agent: str, content: str) -> httpx.Response:
+        body = {"messages": [{"role": "user", "content": content}], "max_tokens": 4}
+        r = http.post("/v1/chat/completions", json=body, headers={"X-Agent-Id": agent})
+        assert r.status_code == 200, r.text
+        return r
+
+    try:
+        with httpx.Client(base_url=server.url, timeout=60) as http:
+            assert say(http, "rita", "Remember 42.").json()["kvshelf"]["saved"] is True
+            assert say(http, "ruth", "I am ruth.").json()["kvshelf"]["saved"] is True
+            assert engine.evict("rita") and engine.evict("ruth")  # on disk only
+            torn = store.path_for("ruth")
+            torn.write_bytes(torn.read_bytes()[:-100])
+            caplog.set_level(logging.INFO)
+            with read_only(root):
+                first = say(http, "rita", "Remember 42. And 43?")
+                reply = first.json()["kvshelf"]
+                assert reply["cache"] == "warm" and reply["saved"] is False, reply  # read, not refused
+                assert first.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+                reply = say(http, "ruth", "I am ruth. Still here.").json()["kvshelf"]
+                assert reply["cache"] == "cold" and reply["saved"] is False  # unreadable: cold, not a 503
+                r = http.post("/v1/agents/rita/fork", json={"new_agent": "rita2"})
+                assert r.status_code == 200 and r.json()["saved"] is False, r.text
+                more = [{"role": "user", "content": "Remember 42. And 43? And 44."}]
+                r = http.post("/v1/agents/rita/append", json={"messages": more})
+                assert r.status_code == 200 and r.json()["saved"] is False, r.text
+                r = http.delete("/v1/agents/rita")  # the disk refuses: a clear 503 ...
+                assert r.status_code == 503 and r.json()["error"]["code"] == "unavailable", r.text
+                after = http.get("/v1/agents/rita")  # ... on a connection that lives on
+                assert after.status_code == 200 and client_port(after) == client_port(first)
+                assert after.json()["resident"] and after.json()["tokens"] > 0  # and RAM kept it whole
+                assert http.get("/health").status_code == 200
+            logged = [r.getMessage() for r in caplog.records]
+            assert any("rita" in m and "reading its record without it" in m for m in logged)
+            assert any("ruth" in m and "could not be quarantined" in m for m in logged)
+            in_ram = {a: list(resident(engine, a).tokens) for a in ("rita", "rita2", "ruth")}
+            assert engine.flush() == []  # writable again: every acknowledged turn reaches the disk
+    finally:
+        server.stop()
+        engine.close()
+    restarted = Engine(model=llama, cache_dir=root, progress=False)
+    for agent, tokens in in_ram.items():
+        assert on_disk(restarted, agent).tokens == tokens
     restarted.close()
 
 

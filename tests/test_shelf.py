@@ -74,7 +74,15 @@ def test_fork_and_forget_answer_with_typed_results(tiny_dirs, tmp_path):
         assert fork.agent_id == "twin" and fork.source == "seed"
         assert fork.shared_tokens >= 256 and fork.shared_tokens % 256 == 0 and fork.tokens >= fork.shared_tokens
         assert isinstance(fork.shared_prefix, str)
-        assert list(dataclasses.asdict(fork)) == ["agent_id", "source", "tokens", "shared_tokens", "shared_prefix"]
+        assert list(dataclasses.asdict(fork)) == [
+            "agent_id",
+            "source",
+            "tokens",
+            "shared_tokens",
+            "shared_prefix",
+            "saved",
+        ]
+        assert fork.saved is None  # not durable
         engine.flush()
         gone = engine.forget("twin")
         assert isinstance(gone, ForgetResult)

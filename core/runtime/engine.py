@@ -31,7 +31,7 @@ from kvshelf.model.template import Message, validate_messages
 from kvshelf.paths import default_cache_dir
 from kvshelf.runtime.events import Event, Failed, Finished, Prefilled, Text
 from kvshelf.runtime.params import GenerationParams
-from kvshelf.runtime.results import AgentInfo, ChatResult, ForgetResult, ForkResult, Usage  # noqa: F401  (re-exported)
+from kvshelf.runtime.results import AgentInfo, Appended, ChatResult, ForgetResult, ForkResult, Usage  # noqa: F401  (re-exported)
 from kvshelf.runtime.sampling import Sampler
 from kvshelf.runtime.scheduler import Request, Scheduler
 from kvshelf.runtime.shelf import Shelf
@@ -231,18 +231,19 @@ class Engine:
         self._scheduler.submit(request)
         return done.result()
 
-    def append(self, agent_id: str, messages: Sequence[Message]) -> Usage:
+    def append(self, agent_id: str, messages: Sequence[Message]) -> Appended:
         """Carry the agent into its next phase: prefill new context without generating.
 
         ``messages`` is the agent's whole conversation so far, ending with what is new
         (the next phase's instructions, the other agents' messages), as it will be sent
         at the agent's next turn. The cached part is reused token for token, only the
         new tokens are computed, and the agent's next ``chat`` with these messages (plus
-        anything later) starts from there. Returns prompt and cached token counts.
+        anything later) starts from there. Returns prompt and cached token counts, and
+        on a durable engine (which answers once the save has ended) whether it was saved.
         """
         return self.prefill_ahead(agent_id, messages, background=False).result()
 
-    def prefill_ahead(self, agent_id: str, messages: Sequence[Message], *, background: bool = True) -> Future[Usage]:
+    def prefill_ahead(self, agent_id: str, messages: Sequence[Message], *, background: bool = True) -> Future[Appended]:
         """Like ``append``, but queued at the lowest priority; returns a Future of ``Usage``.
 
         Background prefill runs one chunk at a time, only while no request waits for its
@@ -252,7 +253,7 @@ class Engine:
         tokens done so far. Meant for group chats: when a message is added to the shared
         history, queue it for the agents who will speak later.
         """
-        done: Future[Usage] = Future()
+        done: Future[Appended] = Future()
 
         def emit(event: Event) -> None:
             if done.done():
@@ -260,7 +261,8 @@ class Engine:
             if isinstance(event, Failed):
                 done.set_exception(event.error)
             else:  # finished, stopped or superseded: the tokens computed so far
-                done.set_result(Usage(len(request.prompt), request.cached, 0))
+                saved = event.saved if isinstance(event, Prefilled) else None
+                done.set_result(Appended(len(request.prompt), request.cached, 0, saved=saved))
 
         request = self._request(validate_agent_id(agent_id), messages, emit, None)
         request.background = background

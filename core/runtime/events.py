@@ -42,6 +42,7 @@ class Prefilled:
 
     logits: np.ndarray
     cached: int
+    saved: bool | None = None  # as ChatResult.saved: durable shelves only
 
 
 @dataclass(frozen=True)

@@ -55,6 +55,17 @@ class ForkResult:
     shared_tokens: int
     """Tokens in the shared prefix (whole blocks, held once for every agent on it)."""
     shared_prefix: str | None
+    saved: bool | None = None
+    """Durable engines only: whether both agents' records reached the disk (False: they
+    are served from RAM and the saves are retried), as ``ChatResult.saved``."""
+
+
+@dataclass
+class Appended(Usage):
+    """What ``Engine.append`` computed, and (durable engines only, as ``ChatResult.saved``)
+    whether the agent's record on disk now holds it."""
+
+    saved: bool | None = None
 
 
 @dataclass

@@ -308,8 +308,12 @@ class Scheduler:
             self._prefilling.remove(r)
             if r.sampler is None:
                 result = np.array(logits.astype(mx.float32))
-                self._complete(r, emit_result=False)
-                r.emit(Prefilled(result, r.cached))
+                settled = self._complete(r, emit_result=False)
+                if settled is None:
+                    r.emit(Prefilled(result, r.cached))
+                else:  # a durable shelf answers once the save has ended, saying how it went
+                    emit, cached = r.emit, r.cached
+                    settled.add_done_callback(lambda f: emit(Prefilled(result, cached, f.result())))
             else:
                 self._accept(r, logits)
             return True
@@ -371,7 +375,7 @@ class Scheduler:
             self._decoding.append(r)
         r.next_token = token
 
-    def _complete(self, r: Request, emit_result: bool = True) -> None:
+    def _complete(self, r: Request, emit_result: bool = True) -> Future | None:
         """Hand the agent's cache back to the shelf (which keeps, saves and spills it),
         then tell the caller.
 
@@ -381,7 +385,7 @@ class Scheduler:
         """
         settled = self._shelf.give_back(r.agent_id, r.cache) if r.agent_id is not None else None
         if not emit_result:
-            return
+            return settled
         if len(r.text) > r.emitted:
             r.emit(Text(r.text[r.emitted :]))
         result = ChatResult(
@@ -399,6 +403,7 @@ class Scheduler:
         else:
             emit = r.emit  # not r: a done future keeps its callbacks, which must not keep the cache
             settled.add_done_callback(lambda f: emit(Finished(replace(result, saved=f.result()))))
+        return settled
 
     def _fail(self, r: Request, exc: BaseException) -> None:
         for group in (self._prefilling, self._decoding):

@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import time
 from concurrent.futures import Future
+from dataclasses import replace
 from pathlib import Path
 from typing import cast
 
@@ -269,7 +270,7 @@ class Shelf:
             if (exc := save.exception()) is not None and not answered.done():
                 answered.set_exception(exc)
             elif pending == 0 and not answered.done():
-                answered.set_result(result)
+                answered.set_result(replace(result, saved=all(s.result() for s in saves)))
 
         for save in saves:
             save.add_done_callback(one_done)
@@ -281,12 +282,12 @@ class Shelf:
         if aid in self._lent:
             raise AgentBusy(f"agent {aid!r} has a request in flight")
         self.wait_saved(aid)
+        removed = self.store.delete(aid)  # first: where the disk refuses, RAM keeps the agent whole
+        removed += self.shared.release(aid)  # its prefix markers; a prefix with no users left
         cache = self.pool.pop(aid)
         self.pool.last_used.pop(aid, None)
         self.unsaved.discard(aid)
         self._saves.pop(aid, None)
-        removed = self.store.delete(aid)
-        removed += self.shared.release(aid)  # its prefix markers; a prefix with no users left
         return ForgetResult(
             agent_id=aid,
             ram_bytes_freed=cache.nbytes if cache else 0,

@@ -292,8 +292,10 @@ def create_app(
     def fork_agent(agent_id: str, body: ForkRequest) -> dict:
         """Start another agent from this one's cache; their whole blocks are shared."""
         src, dst = path_agent_id(agent_id), path_agent_id(body.new_agent)
-        info = engine.fork(src, dst)  # unknown 404, exists or busy 409, same agent 400
-        return {"object": "agent.fork", **asdict(info)}
+        info = asdict(engine.fork(src, dst))  # unknown 404, exists or busy 409, same agent 400
+        if info["saved"] is None:  # not durable: nothing to say, as in chat
+            del info["saved"]
+        return {"object": "agent.fork", **info}
 
     @router.post("/v1/agents/{agent_id}/append")
     async def append_agent(agent_id: str, body: AppendRequest) -> JSONResponse:
@@ -314,6 +316,7 @@ def create_app(
                 "queued": False,
                 "prompt_tokens": usage.prompt_tokens,
                 "cached_tokens": usage.cached_tokens,
+                **({} if usage.saved is None else {"saved": usage.saved}),
             }
         )
 

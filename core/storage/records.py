@@ -58,6 +58,8 @@ QUARANTINE_DIRNAME = "quarantine"
 # second); younger ones are left alone in case a writer is still busy with it.
 STALE_TEMP_SECONDS = 600.0
 _HEX = re.compile(r"[0-9a-fA-F]+")
+# Why a lock file could not be made or opened when the store cannot be written at all.
+_NOT_WRITABLE = frozenset({errno.EROFS, errno.EACCES, errno.EPERM})
 
 
 # --------------------------------------------------------------------------
@@ -217,26 +219,76 @@ class RecordStore:
         An unusable record (truncated, corrupted, foreign model, unknown format,
         ...) is moved to ``quarantine_dir`` with a ``.reason`` file and a
         warning is logged. Raises StorageError only when the file exists but
-        cannot be read (permissions, I/O error) or the lock cannot be taken.
+        cannot be read (permissions, I/O error) or the lock cannot be taken in time.
+
+        A read needs no write: where the agent's lock file cannot be created or
+        opened (a read-only store, a directory this process may not write), the
+        record is read without the lock, which is safe because writers replace a
+        record atomically, and a reason is logged. What cannot be read then is a
+        cache miss (None, logged), so the agent is served cold rather than refused.
         """
         path = self.path_for(agent_id)
         agent_id = _id_of(path)
         if not path.exists():  # no lock file is created for agents never saved
             return None
-        with self._held(agent_id):
-            try:
-                buffer = _read_file(path)
-            except FileNotFoundError:
+        lock = self.lock(agent_id)
+        try:
+            lock.acquire(timeout=self.lock_timeout)
+        except filelock.Timeout as exc:
+            raise StorageError(
+                errno.ETIMEDOUT,
+                f"timed out after {self.lock_timeout}s waiting for the lock of agent {agent_id!r}",
+                str(lock.lock_file),
+            ) from exc
+        except OSError as exc:
+            if exc.errno not in _NOT_WRITABLE:
+                raise StorageError(exc.errno, f"cannot lock agent {agent_id!r}: {exc}", str(lock.lock_file)) from exc
+            return self._load_unlocked(agent_id, path, exc)
+        try:
+            buffer = self._read(agent_id, path)
+            if buffer is None:
                 return None
-            except OSError as exc:
-                logger.error("kvshelf: cannot read the record of agent %r at %s: %s", agent_id, path, exc)
-                message = f"cannot read the record of agent {agent_id!r}: {exc.strerror}"
-                raise StorageError(exc.errno, message, str(path)) from exc
             try:
                 decoded = codec.decode(buffer, self.model_fingerprint)
             except RecordRejected as rejected:
                 self._quarantine(agent_id, path, rejected.reason)
                 return None
+        finally:
+            lock.release()
+        return self._ours(agent_id, path, decoded)
+
+    def _load_unlocked(self, agent_id: AgentId, path: Path, why: OSError) -> CacheRecord | None:
+        """``load`` where the agent's lock cannot be taken because the store is not writable."""
+        logger.warning(
+            "kvshelf: cannot take the lock of agent %r (%s); reading its record without it, "
+            "as nothing can write to this store either",
+            agent_id,
+            why.strerror or why,
+        )
+        try:
+            buffer = self._read(agent_id, path)
+        except StorageError:
+            return None  # logged by _read: the agent starts cold
+        if buffer is None:
+            return None
+        try:
+            decoded = codec.decode(buffer, self.model_fingerprint)
+        except RecordRejected as rejected:
+            self._quarantine(agent_id, path, rejected.reason)  # logs that it could not move it
+            return None
+        return self._ours(agent_id, path, decoded)
+
+    def _read(self, agent_id: AgentId, path: Path) -> bytearray | None:
+        try:
+            return _read_file(path)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            logger.error("kvshelf: cannot read the record of agent %r at %s: %s", agent_id, path, exc)
+            message = f"cannot read the record of agent {agent_id!r}: {exc.strerror}"
+            raise StorageError(exc.errno, message, str(path)) from exc
+
+    def _ours(self, agent_id: AgentId, path: Path, decoded: codec.Decoded) -> CacheRecord | None:
         if decoded.agent_id != agent_id:
             # A valid record of another agent, e.g. "Alice" vs "alice" on a
             # case-insensitive filesystem: not corrupt, just not ours.
