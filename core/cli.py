@@ -65,14 +65,20 @@ def main(argv: list[str] | None = None) -> int:
         except ImportError as exc:
             print(f"kvshelf serve needs the server extra: pip install 'kvshelf[server]' ({exc})", file=sys.stderr)
             return 2
-        run_server(
-            args.model,
-            cache_dir=args.cache_dir,
-            budget=args.budget,
-            host=args.host,
-            port=args.port,
-            api_key=args.api_key,
-        )
+        from kvshelf.storage.exclusive import DirectoryInUse, StoreUnusable
+
+        try:
+            run_server(
+                args.model,
+                cache_dir=args.cache_dir,
+                budget=args.budget,
+                host=args.host,
+                port=args.port,
+                api_key=args.api_key,
+            )
+        except (DirectoryInUse, StoreUnusable) as exc:  # refused before the model was loaded
+            print(f"kvshelf serve: {exc}", file=sys.stderr)
+            return 2
     elif args.command == "bench":
         return _bench(args.options)
     elif args.command == "convert":

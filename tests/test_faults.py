@@ -14,6 +14,7 @@ import ipaddress
 import logging
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -293,7 +294,23 @@ def listening_on(pid: int, port: int) -> list[str]:
     return found
 
 
-def test_a_second_server_on_the_same_directory_refuses_to_start(llama, tmp_path):
+def spy_on_model_loading(monkeypatch) -> list[object]:
+    """The models an Engine loads from now on (it still loads them): a refusal that
+    comes before any load leaves the list empty."""
+    from kvshelf.runtime import engine as engine_module
+
+    loads: list[object] = []
+    real = engine_module.load
+
+    def counted(model, *args, **kwargs):
+        loads.append(model)
+        return real(model, *args, **kwargs)
+
+    monkeypatch.setattr(engine_module, "load", counted)
+    return loads
+
+
+def test_a_second_server_on_the_same_directory_refuses_to_start(llama, tmp_path, monkeypatch):
     first, url = start_server(llama, tmp_path)
     try:
         wait_up(first, url)
@@ -301,11 +318,14 @@ def test_a_second_server_on_the_same_directory_refuses_to_start(llama, tmp_path)
         body = {"model": "x", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
         r = httpx.post(url + "/v1/chat/completions", json=body, headers={"X-Agent-Id": "sam"}, timeout=60)
         assert r.json()["kvshelf"]["saved"] is True, r.text
-        # the second server is this test's own process: flock excludes it just the same
-        with pytest.raises(SystemExit) as refused:
+        # the second server is this test's own process: the locks exclude it just the same,
+        # and it is refused before it loads the model
+        loads = spy_on_model_loading(monkeypatch)
+        with pytest.raises(exclusive.DirectoryInUse) as refused:
             serve(str(llama), cache_dir=tmp_path, port=1)
         message = str(refused.value)
         assert f"another kvshelf server (pid {first.pid}) is already serving" in message and "--cache-dir" in message
+        assert loads == []
         assert httpx.get(url + "/v1/agents/sam", timeout=10).json()["tokens"] > 0  # the first was not disturbed
     finally:
         first.send_signal(signal.SIGKILL)
@@ -315,6 +335,77 @@ def test_a_second_server_on_the_same_directory_refuses_to_start(llama, tmp_path)
     exclusive.claim(engine._shelf.store.directory).close()
     assert engine._shelf.store.token_count("sam") > 0
     engine.close()
+
+
+def store_of(model: Path, root: Path) -> Path:
+    """The store directory a server of ``model`` claims under ``root``."""
+    from kvshelf.model.loader import fingerprint_of
+    from kvshelf.storage.records import RecordStore
+
+    return RecordStore(root, fingerprint_of(model)).directory
+
+
+def test_deleting_the_store_under_a_server_stops_its_saves_and_a_second_server_is_still_refused(
+    llama, tmp_path, monkeypatch
+):
+    """``rm -rf`` of the store used to take the lock file with it: the next save recreated
+    the directory, a second server started on it, and each could write back what the
+    other erased. The claim is on the path and the inode, neither of them a file."""
+    first, url = start_server(llama, tmp_path)
+    store = store_of(llama, tmp_path)
+    body = {"model": "x", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    try:
+        wait_up(first, url)
+        r = httpx.post(url + "/v1/chat/completions", json=body, headers={"X-Agent-Id": "sam"}, timeout=60)
+        assert r.json()["kvshelf"]["saved"] is True and store.is_dir()
+        shutil.rmtree(store)
+        again = {**body, "messages": [{"role": "user", "content": "hi again"}]}
+        r = httpx.post(url + "/v1/chat/completions", json=again, headers={"X-Agent-Id": "sam"}, timeout=60)
+        assert r.status_code == 200 and r.json()["kvshelf"]["saved"] is False, r.text  # served, honestly unsaved
+        assert not store.exists()  # the save did not recreate the directory
+        health = httpx.get(url + "/health", timeout=10)
+        assert health.status_code == 503 and health.json()["status"] == "unhealthy", health.text
+        assert str(store) in health.json()["reason"]
+        loads = spy_on_model_loading(monkeypatch)
+        with pytest.raises(exclusive.DirectoryInUse) as refused:  # on the path, with nothing on disk
+            serve(str(llama), cache_dir=tmp_path, port=1)
+        assert f"(pid {first.pid})" in str(refused.value) and loads == []
+        assert httpx.get(url + "/health", timeout=10).status_code == 503  # until restarted
+    finally:
+        first.send_signal(signal.SIGKILL)
+        first.wait()
+    logged = first.stdout.read() if first.stdout else ""
+    assert re.search(rf"ERROR .*store directory {re.escape(str(store))} was deleted or replaced", logged), logged
+    exclusive.claim(store).close()  # the kernel dropped both locks with the process
+
+
+def run_cli_serve(model: Path, cache_dir: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "kvshelf.cli", "serve", "--model", str(model), "--cache-dir", str(cache_dir)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_serve_on_an_unusable_store_exits_2_with_one_line(llama, tmp_path):
+    """A read-only store (a real read-only bind mount) and a file where the directory
+    should be. Missing permissions cannot be shown here: the tests run as root, whom
+    chmod does not stop; they take the same path (an OSError when the pid file is written)."""
+    a_file = tmp_path / "not-a-dir"
+    a_file.write_text("x")
+    done = run_cli_serve(llama, a_file)
+    assert done.returncode == 2, done.stderr
+    [line] = done.stderr.strip().splitlines()
+    assert line.startswith(f"kvshelf serve: cannot use the store directory {a_file}") and "Not a directory" in line
+
+    readonly = tmp_path / "ro"
+    store_of(llama, readonly).mkdir(parents=True)
+    with read_only(readonly):
+        done = run_cli_serve(llama, readonly)
+    assert done.returncode == 2, done.stderr
+    [line] = done.stderr.strip().splitlines()
+    assert line == f"kvshelf serve: cannot use the store directory {store_of(llama, readonly)}: Read-only file system"
 
 
 # -- erasure -------------------------------------------------------------------------------------

@@ -152,6 +152,25 @@ def load_from_directory(path: Path, fingerprint: str | None = None) -> LoadedMod
     )
 
 
+def fingerprint_of(model: str | Path, progress: bool = True) -> str:
+    """The fingerprint ``load`` gives ``model``, without loading its weights: what names
+    its store directory, which ``kvshelf serve`` claims before it loads anything."""
+    if model == "embedded":
+        from kvshelf.model.embedded import embedded_fingerprint, embedded_model_dir
+
+        return embedded_fingerprint(embedded_model_dir(progress=progress))
+    return directory_fingerprint(_model_dir(model))
+
+
+def _model_dir(model: str | Path) -> Path:
+    path = Path(model).expanduser()
+    if not path.is_dir():
+        from mlx_lm.utils import _download
+
+        path = Path(_download(str(model)))
+    return path
+
+
 def load(model: str | Path | LoadedModel = "embedded", progress: bool = True) -> LoadedModel:
     """Resolve ``model=`` to a loaded model."""
     if isinstance(model, LoadedModel):
@@ -163,9 +182,4 @@ def load(model: str | Path | LoadedModel = "embedded", progress: bool = True) ->
         loaded = load_from_directory(path, fingerprint=embedded_fingerprint(path))
         loaded.name = "gemma3-270m (embedded)"
         return loaded
-    path = Path(model).expanduser()
-    if not path.is_dir():
-        from mlx_lm.utils import _download
-
-        path = Path(_download(str(model)))
-    return load_from_directory(path)
+    return load_from_directory(_model_dir(model))

@@ -97,6 +97,14 @@ class Engine:
         """The folder holding this model's agent records (what one server claims)."""
         return self._shelf.store.directory
 
+    def guard_store(self, check: Callable[[], None]) -> None:
+        """Run ``check`` before every write to this engine's store directories; it raises
+        StorageError to refuse one. ``kvshelf serve`` passes its owner check here
+        (``kvshelf.storage.exclusive``), so that it never saves into a directory that is
+        no longer the one it claimed."""
+        self._shelf.store.before_write = check
+        self._shelf.shared.store.before_write = check
+
     # -- generation ------------------------------------------------------------------
     def chat(
         self,

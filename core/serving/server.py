@@ -33,6 +33,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvshelf.errors import ApiError, InvalidAgentId, KVShelfError, UnknownAgent
+from kvshelf.model.loader import fingerprint_of
+from kvshelf.paths import default_cache_dir
 from kvshelf.runtime.engine import AgentInfo, ChatResult, Engine
 from kvshelf.runtime.params import GenerationParams
 from kvshelf.serving.completions import completion, events, model_id, prepare
@@ -40,6 +42,7 @@ from kvshelf.serving.errors_http import bad_request, error_response
 from kvshelf.serving.openai_api import AppendRequest, ChatCompletionRequest, ForkRequest, invalid_request
 from kvshelf.storage import exclusive
 from kvshelf.storage.agent_id import AgentId
+from kvshelf.storage.records import RecordStore
 
 log = logging.getLogger(__name__)
 
@@ -199,6 +202,7 @@ def create_app(
     close_engine: bool = True,
     defaults: GenerationParams | None = None,
     max_body_bytes: int = MAX_BODY_BYTES,
+    owner: exclusive.Ownership | None = None,
 ) -> FastAPI:
     """The ASGI app over ``engine``. On shutdown (after uvicorn's grace period has let open
     requests finish or cancelled them) it closes the engine with ``close_engine``, which
@@ -320,8 +324,13 @@ def create_app(
             }
         )
 
-    @app.get("/health")
-    def health() -> dict:
+    @app.get("/health", response_model=None)
+    def health() -> dict | JSONResponse:
+        """200 while the server can keep its promises; 503 once the store directory it
+        owns was deleted or replaced under it (it saves nothing until restarted)."""
+        if owner is not None and not owner.intact():
+            reason = f"the store directory {owner.directory} was deleted or replaced; restart the server"
+            return JSONResponse({"status": "unhealthy", "model": name, "reason": reason}, 503)
         return {"status": "ok", "model": name}
 
     app.include_router(router)
@@ -398,18 +407,27 @@ def serve(
     """Load the model and serve until SIGINT/SIGTERM; shutdown flushes pending saves.
 
     The engine is durable: a response is sent once the agent's turn is on disk (its
-    ``kvshelf.saved`` says so), so a turn a client was answered survives a crash. A
-    second server on the same store directory exits with a message (see ``exclusive``).
+    ``kvshelf.saved`` says so), so a turn a client was answered survives a crash.
+
+    The store directory is claimed first, before the model is loaded (its fingerprint,
+    which names the directory, is read without the weights): a second server on the
+    same store raises ``exclusive.DirectoryInUse`` at once, and a store that cannot be
+    written (read-only, no permission) raises ``exclusive.StoreUnusable``; ``kvshelf
+    serve`` prints either in one line and exits 2. See ``exclusive`` for what happens
+    when the directory is deleted under a running server.
     """
     import uvicorn
 
     if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
         log.warning("serving on %s without an API key: anyone who can reach it can read and erase agents", host)
-    engine = Engine(model, cache_dir, budget, durable=True)
+    root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    held = exclusive.claim(RecordStore(root, fingerprint_of(model)).directory)
     try:
-        held = exclusive.claim(engine.store_dir)  # noqa: F841  (held for the life of the process)
-    except exclusive.DirectoryInUse as exc:
-        engine.close()
-        raise SystemExit(f"kvshelf serve: {exc}") from None
-    app = create_app(engine, api_key=api_key)
+        engine = Engine(model, root, budget, durable=True)
+    except BaseException:
+        held.close()
+        raise
+    assert engine.store_dir.resolve() == held.directory, (engine.store_dir, held.directory)
+    engine.guard_store(held.check)
+    app = create_app(engine, api_key=api_key, owner=held)
     uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=10)

@@ -33,7 +33,7 @@ import re
 import secrets
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from datetime import UTC, datetime
 from pathlib import Path
@@ -134,6 +134,11 @@ class RecordStore:
         self.directory = self.root / self.model_fingerprint[:16]
         self.quarantine_dir = self.directory / QUARANTINE_DIRNAME
         self.lock_timeout = lock_timeout
+        self.before_write: Callable[[], None] | None = None
+        """Run before the store creates its directory or takes a lock to write (and so
+        before every save, delete and quarantine): ``kvshelf serve`` sets its owner
+        check here (``kvshelf.storage.exclusive``), which raises StorageError once the
+        directory it claimed is gone, so that a save never recreates it."""
 
     def __repr__(self) -> str:
         return f"RecordStore({str(self.directory)!r})"
@@ -160,6 +165,8 @@ class RecordStore:
         return id_path(self.directory, agent_id, LOCK_SUFFIX)
 
     def _ensure_directory(self) -> None:
+        if self.before_write is not None:
+            self.before_write()
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
