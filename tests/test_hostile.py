@@ -396,3 +396,28 @@ def test_parallel_tool_calls_false_keeps_one_call():
         body = completion([text, ChatResult(text, "stop", Usage(1, 0, 1), 0.0)], turn, "m")
         message = body["choices"][0]["message"]
         assert [c["function"]["name"] for c in message["tool_calls"]] == names
+
+
+def test_an_unexpected_error_is_a_500_on_a_connection_that_lives_on(served):
+    """Expected errors have their own handlers; a bug (any other exception) is answered
+    through the same mapping, 500 with no details, and must not close the connection
+    either (Starlette's catch-all handler re-raises, and uvicorn then drops it)."""
+    _, engine = served
+    app = create_app(engine, close_engine=False)
+
+    def broken() -> dict:
+        raise RuntimeError("a bug, with a secret in its message")
+
+    app.add_api_route("/v1/broken", broken)  # a route with a bug, on the real app and server
+    server = ServerThread(app)
+    try:
+        with httpx.Client(base_url=server.url, timeout=30) as http:
+            r = http.get("/v1/broken")
+            assert r.status_code == 500 and r.json()["error"]["type"] == "server_error", r.text
+            assert "secret" not in r.text
+            port = r.extensions["network_stream"].get_extra_info("client_addr")[1]
+            after = http.get("/v1/models")
+            assert after.status_code == 200
+            assert after.extensions["network_stream"].get_extra_info("client_addr")[1] == port
+    finally:
+        server.stop()

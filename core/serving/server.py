@@ -97,7 +97,8 @@ async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
 
 # -- the app ---------------------------------------------------------------------------------
 class Guard:
-    """Checks the API key (constant-time) and the body size before anything else runs.
+    """Checks the API key (constant-time) and the body size before anything else runs,
+    and answers what no handler did (a bug) as a 500 through ``error_response``.
 
     The size is counted on the bytes received, not on what ``Content-Length`` claims, so
     a chunked body (which has no length) is held to the same limit: the body is read
@@ -126,7 +127,19 @@ class Guard:
             status, error = error_response(refusal)
             extra = {"WWW-Authenticate": "Bearer"} if status == 401 else None
             return await JSONResponse(error, status, headers=extra)(scope, receive, send)
-        await self.app(scope, _replay(body, receive), send)
+        started = False
+
+        async def tracked(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, _replay(body, receive), tracked)
+        except Exception as exc:  # a bug: answered here, never re-raised (see _install_error_handlers)
+            status, error = error_response(exc)  # logs it, with its traceback
+            if not started:
+                await JSONResponse(error, status)(scope, receive, send)
 
     def _refusal(self, path: str, headers: Headers) -> ApiError | None:
         """A missing or wrong API key, or a declared length over the limit (refused unread)."""
@@ -365,10 +378,11 @@ def check_max_tokens(body: ChatCompletionRequest, context_length: int) -> None:
 def _install_error_handlers(app: FastAPI) -> None:
     """Every error an endpoint raises goes through ``error_response``.
 
-    kvshelf's errors and ``ValueError`` get their own handlers (not only the catch-all):
-    Starlette answers a catch-all ``Exception`` handler from its outermost middleware and
-    then re-raises, which the server logs as a crash and which can drop the connection;
-    a specific handler answers and the connection lives on.
+    kvshelf's errors, ``ValueError`` and the framework's own refusals get handlers here.
+    Anything else (a bug) is answered by ``Guard``, not by a catch-all ``Exception``
+    handler: Starlette answers that one from its outermost middleware and then re-raises,
+    and uvicorn closes the connection of a request whose app raised, so the client's
+    next request on it would fail. Answered by the guard, the connection lives on.
     """
 
     async def _answer(request: Request, exc: Exception) -> JSONResponse:
@@ -388,10 +402,6 @@ def _install_error_handlers(app: FastAPI) -> None:
         message = f"{request.method} {request.url.path}: {exc.detail}"
         status, body = error_response(ApiError(message, exc.status_code, codes.get(exc.status_code)))
         return JSONResponse(body, status, headers=exc.headers)
-
-    @app.exception_handler(Exception)
-    async def _internal(request: Request, exc: Exception) -> JSONResponse:
-        return await _answer(request, exc)
 
 
 def serve(
