@@ -4,7 +4,10 @@ security defaults (no prompt text in the logs).
 Whatever a client sends, the answer is a 2xx or a 4xx with an OpenAI error object,
 never a 5xx or a crash, and nothing is written outside ``cache_dir``. The app runs
 in-process (Starlette's TestClient) over a real engine on a tiny random-weight model
-whose context is short, so that even a valid request is answered in milliseconds.
+whose context is short, so that even a valid request is answered in milliseconds; what
+depends on the HTTP server itself (chunked framing, keep-alive connections) runs on a
+real uvicorn server on a loopback port. Every OpenAI sampling field is either honoured
+(checked on the model's output) or refused with a 400.
 """
 
 from __future__ import annotations
