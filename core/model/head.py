@@ -188,8 +188,12 @@ class ProjectedModel:
         project: Callable[[mx.array], mx.array],
         head: nn.Module,
         sgemv: Callable[[np.ndarray, np.ndarray], np.ndarray],
+        body: nn.Module | None = None,
     ) -> None:
         self.inner = model
+        # What runs before the projection: the model's own body, or the same function
+        # over the same weights with batch-1 projections through sgemv (kvshelf.model.gemv).
+        self.body: nn.Module = body if body is not None else model.model
         self._project = project
         self._head = head
         self._sgemv = sgemv
@@ -223,7 +227,7 @@ class ProjectedModel:
         return mx.concatenate([self._project(hidden[:, :-1]), last], axis=1)
 
     def __call__(self, inputs: mx.array, cache: Any = None, **kwargs: Any) -> mx.array:
-        return self.project(self.inner.model(inputs, cache, **kwargs))
+        return self.project(self.body(inputs, cache, **kwargs))
 
 
 def prefill_logits(model: nn.Module | ProjectedModel, inputs: mx.array, cache: Any, want: bool) -> mx.array | None:
@@ -236,7 +240,7 @@ def prefill_logits(model: nn.Module | ProjectedModel, inputs: mx.array, cache: A
     depend on how the prompt was cut into calls.
     """
     if isinstance(model, ProjectedModel):
-        hidden = model.inner.model(inputs, cache)
+        hidden = model.body(inputs, cache)
         return model.project(hidden[:, -1:])[0, -1] if want else None
     out = model(inputs, cache=cache)
     return out[0, -1] if want else None
