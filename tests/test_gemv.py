@@ -1,8 +1,9 @@
-"""The layers' batch-1 projections through sgemv (kvshelf.model.gemv): each wrapped layer
-is the same function as its ``nn.Linear`` (bit-identical for several rows, within the
-fp32 dot-product bound for one), the model itself is left as it was and shares its
-weights with the copy, an agent restored from its record continues bit-identically to
-one in RAM, and batched greedy decoding equals one-by-one decoding token for token."""
+"""The layers' projections through sgemv at batch 1 and BLIS for a decode batch
+(kvshelf.model.gemv, kvshelf.model.few_rows): each wrapped layer is the same function as
+its ``nn.Linear`` (within the fp32 dot-product bound for up to MAX_FEW_ROWS rows,
+bit-identical beyond), the model itself is left as it was and shares its weights with
+the copy, an agent restored from its record continues bit-identically to one in RAM,
+and batched greedy decoding equals one-by-one decoding token for token."""
 
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ import pytest
 from kvshelf.kv.record import agent_cache_from_record, agent_record
 from kvshelf.kv.schemes import DEFAULT_SCHEME
 from kvshelf.kv.working_set import WorkingSets
+from kvshelf.model import few_rows
+from kvshelf.model.few_rows import MAX_FEW_ROWS, system_gemm
 from kvshelf.model.gemv import GemvLinear, with_fast_linears
 from kvshelf.model.head import ProjectedModel, buffer_view, dot_error_bound
 from kvshelf.model.loader import load
@@ -53,29 +56,65 @@ def test_every_plain_projection_is_wrapped_and_the_model_is_left_alone(kind, mod
         assert id(layer.linear) in ids
 
 
+def within_bound(got: np.ndarray, own: np.ndarray, weight: np.ndarray, rows: np.ndarray) -> bool:
+    """Every row of ``got`` lies within both fp32 evaluations' error bound of ``own``'s."""
+    got, own, rows = got.reshape(len(rows), -1), own.reshape(len(rows), -1), rows.reshape(len(rows), -1)
+    return all(
+        bool(np.all(np.abs(g.astype(np.float64) - o) <= 2 * dot_error_bound(weight, r)))
+        for g, o, r in zip(got, own, rows)
+    )
+
+
 @pytest.mark.parametrize("kind", KINDS)
-def test_one_row_is_within_the_bound_and_several_rows_are_bit_identical(kind, models):
+def test_few_rows_are_within_the_bound_and_more_are_bit_identical(kind, models):
     fast = fast_of(models[kind])
     rng = np.random.default_rng(1)
     for layer in wrapped(fast):
-        cols = layer.linear["weight"].shape[1]
-        row = mx.array(rng.standard_normal((1, 1, cols)).astype(np.float32))
-        rows = mx.array(rng.standard_normal((3, 1, cols)).astype(np.float32))
-        assert mx.array_equal(layer(rows), layer.linear(rows)).item()
-        got, own = np.asarray(layer(row)).reshape(-1), np.asarray(layer.linear(row)).reshape(-1)
-        bound = dot_error_bound(buffer_view(layer.linear["weight"]), np.asarray(row).reshape(-1))
-        assert got.shape == own.shape and np.all(np.abs(got.astype(np.float64) - own) <= 2 * bound)
+        weight = buffer_view(layer.linear["weight"])
+        for n in (1, 3, MAX_FEW_ROWS):
+            rows = mx.array(rng.standard_normal((n, 1, weight.shape[1])).astype(np.float32))
+            got, own = np.asarray(layer(rows)), np.asarray(layer.linear(rows))
+            assert got.shape == own.shape and within_bound(got, own, weight, np.asarray(rows))
+        many = mx.array(rng.standard_normal((1, MAX_FEW_ROWS + 1, weight.shape[1])).astype(np.float32))
+        assert mx.array_equal(layer(many), layer.linear(many)).item()
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_prompts_and_batches_match_the_model_bit_for_bit(kind, models):
-    """Several rows never take sgemv: a prompt's positions before the last, and a batch."""
+def test_a_batch_of_agents_projects_through_blis_within_the_bound(kind, models):
     loaded = models[kind]
     fast = fast_of(loaded)
-    x = mx.array([PROMPT])
-    assert mx.array_equal(fast(x)[:, :-1], loaded.model(x)[:, :-1]).item()
-    batch = mx.array([[t] for t in PROMPT[:5]])
-    assert mx.array_equal(fast(batch), loaded.model(batch)).item()
+    assert fast._gemm is not None  # BLIS is installed where these tests run (libblis4-pthread)
+    hidden = loaded.model.model(mx.array([PROMPT]))[0][:, None]  # 14 positions as 14 agents
+    got, own = np.asarray(fast.project(hidden)), np.asarray(fast._project(hidden))
+    assert got.shape == own.shape and within_bound(got, own, fast.weight_view(), np.asarray(hidden))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_long_prompts_match_the_model_bit_for_bit(kind, models):
+    """More rows than MAX_FEW_ROWS never leave MLX: a long prompt's hidden rows are the
+    model's own, bit for bit (gemma3_text's 16-token window included)."""
+    loaded = models[kind]
+    fast = fast_of(loaded)
+    x = mx.array([PROMPT * 2])
+    assert mx.array_equal(fast.body(x), loaded.model.model(x)).item()
+
+
+def test_blis_multiplies_by_the_transposed_weight_without_a_copy():
+    gemm = system_gemm()
+    assert gemm is not None
+    rng = np.random.default_rng(2)
+    weight, x = rng.standard_normal((300, 70)).astype(np.float32), rng.standard_normal((5, 70)).astype(np.float32)
+    assert within_bound(gemm(x, weight), x @ weight.T, weight, x)
+    with pytest.raises(ValueError):
+        gemm(x, weight.T.copy())
+
+
+def test_blis_can_be_turned_off(monkeypatch):
+    monkeypatch.setenv("KVSHELF_NO_BLIS", "1")
+    assert few_rows._library() is None
+    monkeypatch.delenv("KVSHELF_NO_BLIS")
+    monkeypatch.setenv("KVSHELF_BLIS", "/nonexistent/libblis.so.4")
+    assert few_rows._library() is None
 
 
 def test_weights_loaded_later_are_the_ones_used(tiny_dirs):

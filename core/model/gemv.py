@@ -33,21 +33,25 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from kvshelf.model.few_rows import MAX_FEW_ROWS, Gemm, system_gemm
 from kvshelf.model.head import ProjectedModel, buffer_view, dot_error_bound, system_sgemv, with_fast_head
 
 Sgemv = Callable[[np.ndarray, np.ndarray], np.ndarray]
 
 
 class GemvLinear(nn.Module):
-    """An ``nn.Linear`` (no bias, fp32) whose one-row calls run as ``cblas_sgemv``.
+    """An ``nn.Linear`` (no bias, fp32) whose one-row calls run as ``cblas_sgemv`` and,
+    where BLIS is installed, calls of 2..``MAX_FEW_ROWS`` rows (a decode batch) through
+    its skinny-matrix product (``kvshelf.model.few_rows``).
 
     The wrapped layer is a child, so its weight is this module's parameter too (shared,
     not copied): weights loaded into the model later are the ones used."""
 
-    def __init__(self, linear: nn.Linear, sgemv: Sgemv) -> None:
+    def __init__(self, linear: nn.Linear, sgemv: Sgemv, gemm: Gemm | None = None) -> None:
         super().__init__()
         self.linear = linear
         self._sgemv = sgemv
+        self._gemm = gemm
 
     def gemv(self, x: mx.array) -> mx.array:
         """``x @ W.T`` for one row ``x`` (any leading shape of size 1) through sgemv."""
@@ -55,10 +59,18 @@ class GemvLinear(nn.Module):
         y = self._sgemv(weight, buffer_view(x.astype(mx.float32)).reshape(-1))
         return mx.array(y).reshape(*x.shape[:-1], weight.shape[0])
 
+    def few_rows(self, x: mx.array) -> mx.array:
+        """``x @ W.T`` for a few rows through BLIS."""
+        assert self._gemm is not None
+        weight = buffer_view(self.linear["weight"])
+        y = self._gemm(buffer_view(x.astype(mx.float32)).reshape(-1, x.shape[-1]), weight)
+        return mx.array(y).reshape(*x.shape[:-1], weight.shape[0])
+
     def __call__(self, x: mx.array) -> mx.array:
-        if x.size != x.shape[-1] or x.dtype != mx.float32:
+        rows = x.size // x.shape[-1]
+        if x.dtype != mx.float32 or rows > MAX_FEW_ROWS or (rows > 1 and self._gemm is None):
             return self.linear(x)
-        return self.gemv(x)
+        return self.gemv(x) if rows == 1 else self.few_rows(x)
 
 
 def _eligible(layer: nn.Module) -> bool:
@@ -69,34 +81,43 @@ def _eligible(layer: nn.Module) -> bool:
 
 
 def _agrees(layer: GemvLinear) -> bool:
-    """The sgemv row of a probe lies within the fp32 error bound of the layer's own row."""
-    cols = layer.linear["weight"].shape[1]
-    probe = mx.sin(mx.arange(cols, dtype=mx.float32) * 0.37)[None, None]
-    own, fast = np.asarray(layer.linear(probe)).reshape(-1), np.asarray(layer.gemv(probe)).reshape(-1)
+    """Probe rows through sgemv (and BLIS) lie within the fp32 error bound of the layer's own."""
     weight = buffer_view(layer.linear["weight"])
     if not weight.flags.c_contiguous:  # sgemv would need a copy per call
         return False
-    bound = dot_error_bound(weight, np.asarray(probe).reshape(-1))
-    return bool(np.all(np.abs(fast.astype(np.float64) - own) <= 2 * bound))
+    cols = weight.shape[1]
+    probe = mx.sin(mx.arange(2 * cols, dtype=mx.float32) * 0.37).reshape(2, 1, cols)
+    own = np.asarray(layer.linear(probe)).reshape(2, -1)
+    fast = [np.asarray(layer.gemv(probe[:1])).reshape(1, -1)]
+    if layer._gemm is not None:
+        fast.append(np.asarray(layer.few_rows(probe)).reshape(2, -1))
+    for got in fast:
+        for i, row in enumerate(got):
+            bound = dot_error_bound(weight, np.asarray(probe[i]).reshape(-1))
+            if not np.all(np.abs(row.astype(np.float64) - own[i]) <= 2 * bound):
+                return False
+    return True
 
 
-def _converted(value: Any, sgemv: Sgemv, wrapped: list[GemvLinear]) -> Any:
+def _converted(value: Any, sgemv: Sgemv, gemm: Gemm | None, wrapped: list[GemvLinear]) -> Any:
     if isinstance(value, nn.Module):
-        return gemv_body(value, sgemv, wrapped)
+        return gemv_body(value, sgemv, gemm, wrapped)
     if isinstance(value, list):
-        return [_converted(v, sgemv, wrapped) for v in value]
+        return [_converted(v, sgemv, gemm, wrapped) for v in value]
     if isinstance(value, tuple):
-        return tuple(_converted(v, sgemv, wrapped) for v in value)
+        return tuple(_converted(v, sgemv, gemm, wrapped) for v in value)
     if isinstance(value, dict):
-        return {k: _converted(v, sgemv, wrapped) for k, v in value.items()}
+        return {k: _converted(v, sgemv, gemm, wrapped) for k, v in value.items()}
     return value
 
 
-def gemv_body(module: nn.Module, sgemv: Sgemv, wrapped: list[GemvLinear] | None = None) -> nn.Module:
+def gemv_body(
+    module: nn.Module, sgemv: Sgemv, gemm: Gemm | None = None, wrapped: list[GemvLinear] | None = None
+) -> nn.Module:
     """A copy of ``module``'s module tree over the same arrays, with every eligible
     ``nn.Linear`` a ``GemvLinear`` (those that pass the probe; ``wrapped`` collects them)."""
     if _eligible(module):
-        layer = GemvLinear(module, sgemv)  # type: ignore[arg-type]
+        layer = GemvLinear(module, sgemv, gemm)  # type: ignore[arg-type]
         if _agrees(layer):
             if wrapped is not None:
                 wrapped.append(layer)
@@ -106,7 +127,7 @@ def gemv_body(module: nn.Module, sgemv: Sgemv, wrapped: list[GemvLinear] | None 
         return module
     new = copy.copy(module)
     for key, value in module.items():
-        new[key] = _converted(value, sgemv, wrapped if wrapped is not None else [])
+        new[key] = _converted(value, sgemv, gemm, wrapped if wrapped is not None else [])
     return new
 
 
@@ -121,13 +142,27 @@ def with_fast_linears(model: nn.Module) -> nn.Module | ProjectedModel:
     sgemv = system_sgemv()
     if not isinstance(fast, ProjectedModel) or sgemv is None:
         return fast
+    gemm = system_gemm()
     wrapped: list[GemvLinear] = []
-    body = gemv_body(model.model, sgemv, wrapped)
+    body = gemv_body(model.model, sgemv, gemm, wrapped)
     if not wrapped:
         return fast
-    probe = mx.array([[(5 * i + 3) % 97 for i in range(4)]])
+    probe = mx.array([[(5 * i + 3) % 97 for i in range(MAX_FEW_ROWS + 1)]])
     try:
         same = mx.array_equal(body(probe), model.model(probe)).item()
     except Exception:  # a body whose copy cannot be called: keep the model's own
         return fast
-    return ProjectedModel(model, fast._project, fast._head, sgemv, body=body) if same else fast
+    if not same:
+        return fast
+    head_gemm = gemm if gemm is not None and _head_agrees(fast, gemm) else None
+    return ProjectedModel(model, fast._project, fast._head, sgemv, body=body, gemm=head_gemm)
+
+
+def _head_agrees(fast: ProjectedModel, gemm: Gemm) -> bool:
+    """Two probe rows of the head through BLIS lie within the bound of MLX's own rows."""
+    weight = fast.weight_view()
+    probe = mx.sin(mx.arange(2 * weight.shape[1], dtype=mx.float32) * 0.23).reshape(2, 1, -1)
+    own = np.asarray(fast._project(probe)).reshape(2, -1)
+    got = gemm(np.asarray(probe).reshape(2, -1), weight)
+    bounds = [dot_error_bound(weight, np.asarray(probe[i]).reshape(-1)) for i in range(2)]
+    return all(bool(np.all(np.abs(got[i].astype(np.float64) - own[i]) <= 2 * bounds[i])) for i in range(2))
