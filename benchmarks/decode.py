@@ -6,8 +6,9 @@ and side by side, for each model and context length:
 
 - kvshelf's step with the default KV scheme and with plain per-token Q4, at batch
   1, 2, 4 and 8: the scheduler's own path (the decode working set,
-  ``kvshelf.kv.working_set``, kept across steps, and the batch-1 output projection
-  through sgemv, ``kvshelf.model.head``), and the per-step path it replaced
+  ``kvshelf.kv.working_set``, kept across steps; every projection at batch 1 through
+  sgemv and a batch's through BLIS, ``kvshelf.model.gemv``), and (``--paths per-step``)
+  the per-step path it replaced
   ("per-step": the model's own call on the agents' layer caches, one ``BatchLayerView``
   per layer when several agents decode together);
 - mlx-lm's own step on the same model with its fp32 ``KVCache``/``RotatingKVCache``
@@ -21,6 +22,9 @@ Models: the embedded Gemma 3 270M, and a llama-family model of SmolLM2-135M's sh
 (30 thin layers, GQA) with random weights, built in memory.
 
     python benchmarks/decode.py [--quick] [--models embedded,llama30] [--contexts 1024,4096,16384]
+        [--batches 1,2,4,8] [--paths mlx-lm,default,q4,per-step]
+
+Each invocation should stay within a few minutes: select a subset with the flags.
 
 Run it alone on the machine (``flock -x`` on the agreed lock file): other work on the
 CPU makes every figure here meaningless.
@@ -29,6 +33,7 @@ CPU makes every figure here meaningless.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -49,6 +54,7 @@ from kvshelf.kv.agent_cache import AgentCache
 from kvshelf.kv.batch import batch_views
 from kvshelf.kv.schemes import DEFAULT_SCHEME, SCHEMES
 from kvshelf.kv.working_set import WorkingSets
+from kvshelf.model.gemv import with_fast_linears
 from kvshelf.model.head import ProjectedModel, with_fast_head
 from kvshelf.model.loader import load, materialize
 from kvshelf.model.spec import ModelCacheSpec
@@ -161,7 +167,12 @@ def kv_bytes(agents: list[list[Any]]) -> int:
     return sum(a.nbytes for layers in agents for c in layers for a in _state(c))
 
 
-def run(models: list[str], contexts: list[int], batches: list[int], steps: int, warmup: int) -> dict:
+PATHS = ("mlx-lm", "default", "q4", "per-step", "head-only")
+
+
+def run(
+    models: list[str], contexts: list[int], batches: list[int], steps: int, warmup: int, paths: Sequence[str] = PATHS
+) -> dict:
     bw = bandwidth_gbs()
     gbs = max(bw.values())
     print(f"memory bandwidth: {bw['mlx_sum_gbs']:.2f} GB/s (mlx sum), {bw['numpy_sum_gbs']:.2f} GB/s (numpy sum)")
@@ -170,31 +181,40 @@ def run(models: list[str], contexts: list[int], batches: list[int], steps: int, 
         model = build_model(name)
         spec = ModelCacheSpec.from_model(model)
         wbytes = weight_bytes(model)
-        fast = with_fast_head(model)  # what the engine runs: the batch-1 projection through sgemv
+        fast = with_fast_linears(model)  # what the engine runs: sgemv at batch 1, BLIS for a few rows
+        head_only = with_fast_head(model)  # the previous engine path: only the batch-1 head through sgemv
         floor_ms = wbytes / (gbs * 1e9) * 1e3
         print(f"\n{name}: {len(spec.layers)} layers, weights {wbytes / 1e9:.3f} GB, floor {floor_ms:.1f} ms/step")
         for context in contexts:
-            peer = make_prompt_cache(model)
-            fill(peer, spec, context, seed=1)
-            t, _ = step_ms(model, [peer], steps, warmup)
-            peer_bytes = kv_bytes([peer])
-            rows.append(_row(name, context, "mlx-lm fp32 KV", 1, t, floor_ms, wbytes, peer_bytes, gbs))
-            del peer
-            for scheme in (DEFAULT_SCHEME, "q4-g64-per-token-v1"):
+            if "mlx-lm" in paths:
+                peer = make_prompt_cache(model)
+                fill(peer, spec, context, seed=1)
+                t, _ = step_ms(model, [peer], steps, warmup)
+                peer_bytes = kv_bytes([peer])
+                rows.append(_row(name, context, "mlx-lm fp32 KV", 1, t, floor_ms, wbytes, peer_bytes, gbs))
+                del peer
+            schemes = [s for p, s in (("default", DEFAULT_SCHEME), ("q4", "q4-g64-per-token-v1")) if p in paths]
+            for scheme in schemes:
                 agents = []
                 for b in range(max(batches)):
                     cache = AgentCache.empty(spec, SCHEMES[scheme])
                     fill(cache.layers, spec, context, seed=10 + b)
                     agents.append(cache.layers)
                 for batch in batches:
-                    for working, path in ((True, scheme), (False, f"{scheme} per-step")):
+                    kinds: list[tuple[bool, str, Any]] = [(True, scheme, fast)]
+                    if "head-only" in paths:
+                        kinds.append((True, f"{scheme} head-only sgemv", head_only))
+                    if "per-step" in paths:
+                        kinds.append((False, f"{scheme} per-step", model))
+                    for working, path, forward in kinds:
                         members = [_clone(layers) for layers in agents[:batch]]
-                        t, ws_bytes = step_ms(fast if working else model, members, steps, warmup, working)
+                        t, ws_bytes = step_ms(forward, members, steps, warmup, working)
                         row = _row(name, context, path, batch, t, floor_ms, wbytes, kv_bytes(members), gbs)
                         rows.append({**row, "working_set_mb": round(ws_bytes / 1e6, 1)})
                 del agents
         del model
-    return {"bandwidth": bw, "steps": steps, "warmup": warmup, "rows": rows}
+    load_end = list(os.getloadavg())
+    return {"bandwidth": bw, "steps": steps, "warmup": warmup, "load_average_at_end": load_end, "rows": rows}
 
 
 def _clone(layers: list[Any]) -> list[Any]:
@@ -265,11 +285,12 @@ def main() -> None:
     parser.add_argument("--batches", default="1,2,4,8")
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--paths", default="mlx-lm,default,q4", help=f"any of {','.join(PATHS)}")
     args = parser.parse_args()
     contexts = [1024] if args.quick else [int(c) for c in args.contexts.split(",")]
     batches = [1, 4] if args.quick else [int(b) for b in args.batches.split(",")]
     steps = 4 if args.quick else args.steps
-    result = run(args.models.split(","), contexts, batches, steps, args.warmup)
+    result = run(args.models.split(","), contexts, batches, steps, args.warmup, args.paths.split(","))
     path = write_json("decode", result)
     chart(result)
     print(f"\nwrote {path}")

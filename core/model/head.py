@@ -58,6 +58,7 @@ import numpy as np
 
 from kvshelf.model import blas
 from kvshelf.model.arrays import borrow
+from kvshelf.model.few_rows import MAX_FEW_ROWS
 
 UNIT_ROUNDOFF = 2.0**-24  # fp32
 
@@ -188,8 +189,16 @@ class ProjectedModel:
         project: Callable[[mx.array], mx.array],
         head: nn.Module,
         sgemv: Callable[[np.ndarray, np.ndarray], np.ndarray],
+        body: nn.Module | None = None,
+        gemm: Callable[[np.ndarray, np.ndarray], np.ndarray] | None = None,
     ) -> None:
         self.inner = model
+        # What runs before the projection: the model's own body, or the same function
+        # over the same weights with batch-1 projections through sgemv (kvshelf.model.gemv).
+        self.body: nn.Module = body if body is not None else model.model
+        # A decode batch's rows (2..MAX_FEW_ROWS agents, one position each) through BLIS's skinny
+        # product (kvshelf.model.few_rows) where that is installed and was verified.
+        self._gemm = gemm
         self._project = project
         self._head = head
         self._sgemv = sgemv
@@ -216,6 +225,9 @@ class ProjectedModel:
         """Logits for ``hidden`` of shape (batch, length, dim): MLX's matmul for every row,
         except that at batch 1 the last position goes through ``gemv``."""
         if hidden.shape[0] != 1:
+            if self._gemm is not None and hidden.shape[1] == 1 and hidden.shape[0] <= MAX_FEW_ROWS:
+                rows = buffer_view(hidden.astype(mx.float32)).reshape(hidden.shape[0], -1)
+                return mx.array(self._gemm(rows, self.weight_view()))[:, None]
             return self._project(hidden)
         last = self.gemv(hidden[0, -1])[None, None]
         if hidden.shape[1] == 1:
@@ -223,7 +235,7 @@ class ProjectedModel:
         return mx.concatenate([self._project(hidden[:, :-1]), last], axis=1)
 
     def __call__(self, inputs: mx.array, cache: Any = None, **kwargs: Any) -> mx.array:
-        return self.project(self.inner.model(inputs, cache, **kwargs))
+        return self.project(self.body(inputs, cache, **kwargs))
 
 
 def prefill_logits(model: nn.Module | ProjectedModel, inputs: mx.array, cache: Any, want: bool) -> mx.array | None:
@@ -236,7 +248,7 @@ def prefill_logits(model: nn.Module | ProjectedModel, inputs: mx.array, cache: A
     depend on how the prompt was cut into calls.
     """
     if isinstance(model, ProjectedModel):
-        hidden = model.inner.model(inputs, cache)
+        hidden = model.body(inputs, cache)
         return model.project(hidden[:, -1:])[0, -1] if want else None
     out = model(inputs, cache=cache)
     return out[0, -1] if want else None

@@ -21,7 +21,8 @@ import mlx.nn as nn
 from mlx_lm.utils import load_model as mlx_load_model
 from tokenizers import Tokenizer
 
-from kvshelf.model.head import ProjectedModel, with_fast_head
+from kvshelf.model.gemv import with_fast_linears
+from kvshelf.model.head import ProjectedModel
 from kvshelf.model.spec import ModelCacheSpec
 from kvshelf.model.template import ChatMLTemplate, ChatTemplate, GemmaTemplate, JinjaTemplate
 
@@ -56,13 +57,14 @@ class LoadedModel:
     fingerprint: str
     context_length: int = 8192
     spec: ModelCacheSpec = field(init=False)
-    # What to call for logits: the model, with its batch-1 output projection through
-    # sgemv where that was verified to be the same function (see kvshelf.model.head).
+    # What to call for logits: the model, with its batch-1 projections (the output one
+    # and the layers') through sgemv where that was verified to be the same function
+    # (see kvshelf.model.head and kvshelf.model.gemv).
     forward: nn.Module | ProjectedModel = field(init=False)
 
     def __post_init__(self) -> None:
         self.spec = ModelCacheSpec.from_model(self.model)
-        self.forward = with_fast_head(self.model)
+        self.forward = with_fast_linears(self.model)
 
 
 def _compute_dtype() -> mx.Dtype:

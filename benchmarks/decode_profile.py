@@ -1,0 +1,173 @@
+"""Where one batch-1 decode step's time goes: a profile of its pieces, each timed alone.
+
+For each model (the embedded Gemma 3 270M and a random-weight llama of SmolLM2-135M's
+shape) at one context length, medians of a few repeats:
+
+- the whole step as the scheduler runs it (decode working set, every batch-1 projection
+  through sgemv), and with only the output projection through sgemv;
+- the body alone (the layers and the final norm; MLX's matmuls, and sgemv's), the body
+  over mlx-lm's own fp32 KV cache, and the body over an empty context
+  (one cached token: what the layers cost without attention's reads);
+- the working set's update and fetch alone, and attention alone over what it fetched;
+- every layer's linear projections (q/k/v/o, gate/up/down), one row each, as MLX's
+  matmul runs them (``cblas_sgemm`` with one row) and as ``cblas_sgemv`` runs them on
+  the same weights, summed over the layers;
+- the floor of the layers' weights and the head's weights at the bandwidth measured now.
+
+    python benchmarks/decode_profile.py [--models embedded,llama30] [--context 1024]
+
+Run it through the exclusive benchmark lock; a figure taken under other load is noise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import kvshelf  # noqa: F401  (preloads OpenBLAS, which must come before mlx)
+
+# isort: split
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from common import write_json
+from decode import bandwidth_gbs, build_model, fill, weight_bytes
+from mlx_lm.models.cache import make_prompt_cache
+
+from kvshelf.kv.agent_cache import AgentCache
+from kvshelf.kv.schemes import DEFAULT_SCHEME, SCHEMES
+from kvshelf.kv.working_set import WorkingSets
+from kvshelf.model.gemv import with_fast_linears
+from kvshelf.model.head import buffer_view, system_sgemv, with_fast_head
+from kvshelf.model.spec import ModelCacheSpec
+
+
+def median_ms(fn: Callable[[], Any], repeats: int, warmup: int = 2) -> float:
+    times = []
+    for i in range(warmup + repeats):
+        t = time.perf_counter()
+        fn()
+        if i >= warmup:
+            times.append((time.perf_counter() - t) * 1e3)
+    return statistics.median(times)
+
+
+def layer_linears(model: nn.Module) -> list[nn.Linear]:
+    return [m for layer in model.model.layers for _, m in layer.named_modules() if isinstance(m, nn.Linear)]
+
+
+def profile(name: str, context: int, repeats: int, gbs: float) -> dict[str, Any]:
+    model = build_model(name)
+    spec = ModelCacheSpec.from_model(model)
+    head_only = with_fast_head(model)
+    fast = with_fast_linears(model)
+    linears = layer_linears(model)
+    layer_bytes = sum(m.weight.nbytes for m in linears)
+    out: dict[str, Any] = {"model": name, "context": context, "layers": len(model.model.layers)}
+    out["floor_ms"] = round(weight_bytes(model) / gbs / 1e6, 1)
+    out["layer_linears_floor_ms"] = round(layer_bytes / gbs / 1e6, 1)
+
+    cache = AgentCache.empty(spec, SCHEMES[DEFAULT_SCHEME])
+    fill(cache.layers, spec, context, seed=3)
+    ws = WorkingSets()
+    x = mx.array([[1]])
+
+    def step(forward: Any) -> Callable[[], None]:
+        def run() -> None:
+            caches = ws.caches([0], [cache.layers])
+            y = forward(x, cache=caches)
+            mx.eval(y, cache.arrays(), ws.arrays())
+
+        return run
+
+    out["step_ms"] = round(median_ms(step(fast), repeats), 1)
+    out["step_head_gemv_only_ms"] = round(median_ms(step(head_only), repeats), 1)
+    out["body_ms"] = round(median_ms(step(model.model), repeats), 1)
+    out["body_gemv_ms"] = round(median_ms(step(getattr(fast, "body", model.model)), repeats), 1)
+    empty = make_prompt_cache(model)
+    fill(empty, spec, 1, seed=4)
+
+    def body_empty() -> None:  # the context grows by one token a call: stays near empty
+        mx.eval(model.model(x, cache=empty))
+
+    out["body_empty_context_ms"] = round(median_ms(body_empty, repeats), 1)
+
+    peer = make_prompt_cache(model)
+    fill(peer, spec, context, seed=5)
+
+    def body_peer() -> None:
+        mx.eval(model.model(x, cache=peer))
+
+    out["body_mlx_lm_fp32_kv_ms"] = round(median_ms(body_peer, repeats), 1)
+
+    layers = ws.caches([0], [cache.layers])
+    kvs = [
+        (mx.random.normal((1, s.kv_heads, 1, s.k_head_dim)), mx.random.normal((1, s.kv_heads, 1, s.v_head_dim)))
+        for s in spec.layers
+    ]
+    mx.eval(kvs)
+    heads = model.model.layers[0].self_attn.n_heads if hasattr(model.model.layers[0], "self_attn") else 1
+    fetched: list[Any] = []
+
+    def cache_path() -> None:
+        fetched.clear()
+        for c, (k, v) in zip(ws.caches([0], [cache.layers]), kvs):
+            fetched.append(c.update_and_fetch(k, v))
+        mx.eval(fetched, cache.arrays(), ws.arrays())
+
+    out["cache_update_and_fetch_ms"] = round(median_ms(cache_path, repeats), 1)
+    queries = [mx.random.normal((1, heads, 1, k.shape[-1])) for k, _ in fetched]
+    mx.eval(queries)
+
+    def attention() -> None:
+        outs = [
+            mx.fast.scaled_dot_product_attention(q, k, v, scale=1.0, mask=None) for q, (k, v) in zip(queries, fetched)
+        ]
+        mx.eval(outs)
+
+    out["sdpa_ms"] = round(median_ms(attention, repeats), 1)
+    del layers
+
+    rows = [mx.random.normal((1, 1, m.weight.shape[1])) for m in linears]
+    mx.eval(rows)
+
+    def mlx_linears() -> None:
+        for m, r in zip(linears, rows):
+            mx.eval(m(r))
+
+    def mlx_linears_one_graph() -> None:
+        mx.eval([m(r) for m, r in zip(linears, rows)])
+
+    sgemv = system_sgemv()
+    out["linears_mlx_ms"] = round(median_ms(mlx_linears, repeats), 1)
+    out["linears_mlx_one_eval_ms"] = round(median_ms(mlx_linears_one_graph, repeats), 1)
+    if sgemv is not None:
+        views = [buffer_view(m.weight) for m in linears]
+        vecs = [np.asarray(r).reshape(-1) for r in rows]
+
+        def blas_linears() -> None:
+            for w, v in zip(views, vecs):
+                sgemv(w, v)
+
+        out["linears_sgemv_ms"] = round(median_ms(blas_linears, repeats), 1)
+    print(f"{name} at {context}: " + ", ".join(f"{k} {v}" for k, v in out.items() if k not in ("model", "context")))
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", default="embedded,llama30")
+    parser.add_argument("--context", type=int, default=1024)
+    parser.add_argument("--repeats", type=int, default=7)
+    args = parser.parse_args()
+    bw = bandwidth_gbs()
+    gbs = max(bw.values())
+    rows = [profile(name, args.context, args.repeats, gbs) for name in args.models.split(",")]
+    print(f"wrote {write_json('decode-profile', {'bandwidth': bw, 'rows': rows})}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,102 @@
+"""A product of a few rows by a weight matrix at BLIS's speed, for batched decode.
+
+A decode step of B agents multiplies B rows (B = 2..16) by every weight matrix. OpenBLAS
+0.3.21 (Debian's, the BLAS MLX's CPU matmuls use here) runs such a skinny product as a
+full sgemm that packs the weight first; on the embedded Gemma 3 (2 cores, measured
+under the benchmark lock, load 2.6-4) 4 rows through the 126 layer projections took
+58-69 ms and through the 262K-row head 116-119 ms. BLIS has kernels for exactly this
+shape ("sup": small/unpacked), and its typed API ``bli_sgemm`` takes strides, so the
+weight is read where MLX keeps it, transposed by its strides, never copied: 39-42 ms and
+46-48 ms on the same shapes.
+
+BLIS is optional, like OpenBLAS: Debian's ``libblis4-pthread`` (``apt install
+libblis4-pthread``) or any ``libblis.so.4`` named by ``KVSHELF_BLIS``. It is opened
+with ``RTLD_LOCAL`` and called by its ``bli_`` names only, so none of its symbols can
+stand in for OpenBLAS's (which MLX resolves globally) nor OpenBLAS's for its own. It
+runs as many threads as the machine has cores (``BLIS_NUM_THREADS`` overrides), the
+same as OpenBLAS does, one pool at a time since the step loop calls them in turn.
+Set ``KVSHELF_NO_BLIS=1`` to keep MLX's own matmuls.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import sys
+from collections.abc import Callable
+from functools import cache
+
+import numpy as np
+
+BLIS_CANDIDATES = (
+    "/usr/lib/x86_64-linux-gnu/blis-pthread/libblis.so.4",
+    "/usr/lib/aarch64-linux-gnu/blis-pthread/libblis.so.4",
+    "/usr/lib/x86_64-linux-gnu/libblis.so.4",
+    "/usr/lib/aarch64-linux-gnu/libblis.so.4",
+)
+BLIS_NO_TRANSPOSE = 0
+# Products with more rows than this are left to MLX (OpenBLAS's sgemm is fast there).
+MAX_FEW_ROWS = 16
+
+Gemm = Callable[[np.ndarray, np.ndarray], np.ndarray]
+
+
+def _library() -> ctypes.CDLL | None:
+    if not sys.platform.startswith("linux") or os.environ.get("KVSHELF_NO_BLIS", "").lower() in ("1", "true", "yes"):
+        return None
+    named = os.environ.get("KVSHELF_BLIS")
+    for path in (named,) if named else BLIS_CANDIDATES:
+        if path and os.path.exists(path):
+            try:
+                return ctypes.CDLL(path, mode=ctypes.RTLD_LOCAL)
+            except OSError:
+                continue
+    return None
+
+
+@cache
+def system_gemm() -> Gemm | None:
+    """``y = x @ weight.T`` (``x``: rows × k, ``weight``: n × k, both fp32 C-contiguous)
+    through BLIS's ``bli_sgemm``, or None if no BLIS is installed."""
+    lib = _library()
+    if lib is None:
+        return None
+    threads = int(os.environ.get("BLIS_NUM_THREADS") or os.cpu_count() or 1)
+    lib.bli_thread_set_num_threads.argtypes = [ctypes.c_int64]
+    lib.bli_thread_set_num_threads(threads)
+    fn = lib.bli_sgemm
+    fn.restype = None
+    dim, ptr, trans = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+    fn.argtypes = [trans, trans, dim, dim, dim, ptr, ptr, dim, dim, ptr, dim, dim, ptr, ptr, dim, dim]
+    one, zero = np.ones(1, dtype=np.float32), np.zeros(1, dtype=np.float32)
+
+    def gemm(x: np.ndarray, weight: np.ndarray) -> np.ndarray:
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        weight = np.ascontiguousarray(weight, dtype=np.float32)  # a view already, never copied in practice
+        (m, k), n = x.shape, weight.shape[0]
+        if weight.shape != (n, k):
+            raise ValueError(f"gemm: {x.shape} @ {weight.shape}.T")
+        y = np.empty((m, n), dtype=np.float32)
+        # C (m×n, row stride n) = A (m×k, row stride k) · B (k×n: the weight, its rows and
+        # columns swapped by its strides: row stride 1, column stride k).
+        fn(
+            BLIS_NO_TRANSPOSE,
+            BLIS_NO_TRANSPOSE,
+            m,
+            n,
+            k,
+            one.ctypes.data,
+            x.ctypes.data,
+            k,
+            1,
+            weight.ctypes.data,
+            1,
+            k,
+            zero.ctypes.data,
+            y.ctypes.data,
+            n,
+            1,
+        )
+        return y
+
+    return gemm

@@ -1,0 +1,168 @@
+"""The layers' projections at batch 1 through ``sgemv``, as the output projection is.
+
+A decode step at batch 1 multiplies one row by every weight matrix of every layer
+(q/k/v/o, gate/up/down). MLX's CPU backend runs each as a 1-row ``cblas_sgemm``, which
+OpenBLAS 0.3.21 runs as a full matrix-matrix product: it packs the whole weight before
+using it once. ``benchmarks/decode_profile.py`` measured the 126 projections of the
+embedded Gemma 3 at about 2x what ``cblas_sgemv`` takes on the same weights (e.g. 42.7
+against 19.5 ms, load 0.6-1.0), the largest piece of a step after the head.
+
+``gemv_body`` builds a second module tree over the same arrays (nothing is copied but
+the small module objects), in which every plain fp32 ``nn.Linear`` without a bias is a
+``GemvLinear``: a one-row input goes to ``sgemv`` over a zero-copy view of the weight;
+anything else is the wrapped layer's own call, bit for bit. The model itself is not
+changed, so the plain model (what mlx-lm, the spec probe and every multi-row call see)
+stays what it was. Each wrapped layer is checked once at build time: its sgemv row on a
+probe lies within the fp32 dot-product error bound of MLX's, else it keeps its own call.
+
+Exactness, and where it ends: an agent decoding alone runs every projection of every
+step through sgemv, prefill's last 1-token call too, so an agent restored from disk
+continues bit-identically to one kept in RAM (same calls on the same state). A batch of
+several agents runs MLX's sgemm rows, which round differently in the last bits (they
+already did: OpenBLAS picks its sgemm kernel by shape); batched decoding stays equal to
+one-by-one decoding token for token where no two logits are within that rounding.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from kvshelf.model.few_rows import MAX_FEW_ROWS, Gemm, system_gemm
+from kvshelf.model.head import ProjectedModel, buffer_view, dot_error_bound, system_sgemv, with_fast_head
+
+Sgemv = Callable[[np.ndarray, np.ndarray], np.ndarray]
+
+
+class GemvLinear(nn.Module):
+    """An ``nn.Linear`` (no bias, fp32) whose one-row calls run as ``cblas_sgemv`` and,
+    where BLIS is installed, calls of 2..``MAX_FEW_ROWS`` rows (a decode batch) through
+    its skinny-matrix product (``kvshelf.model.few_rows``).
+
+    The wrapped layer is a child, so its weight is this module's parameter too (shared,
+    not copied): weights loaded into the model later are the ones used."""
+
+    def __init__(self, linear: nn.Linear, sgemv: Sgemv, gemm: Gemm | None = None) -> None:
+        super().__init__()
+        self.linear = linear
+        self._sgemv = sgemv
+        self._gemm = gemm
+
+    def gemv(self, x: mx.array) -> mx.array:
+        """``x @ W.T`` for one row ``x`` (any leading shape of size 1) through sgemv."""
+        weight = buffer_view(self.linear["weight"])
+        y = self._sgemv(weight, buffer_view(x.astype(mx.float32)).reshape(-1))
+        return mx.array(y).reshape(*x.shape[:-1], weight.shape[0])
+
+    def few_rows(self, x: mx.array) -> mx.array:
+        """``x @ W.T`` for a few rows through BLIS."""
+        assert self._gemm is not None
+        weight = buffer_view(self.linear["weight"])
+        y = self._gemm(buffer_view(x.astype(mx.float32)).reshape(-1, x.shape[-1]), weight)
+        return mx.array(y).reshape(*x.shape[:-1], weight.shape[0])
+
+    def __call__(self, x: mx.array) -> mx.array:
+        rows = x.size // x.shape[-1]
+        if x.dtype != mx.float32 or rows > MAX_FEW_ROWS or (rows > 1 and self._gemm is None):
+            return self.linear(x)
+        return self.gemv(x) if rows == 1 else self.few_rows(x)
+
+
+def _eligible(layer: nn.Module) -> bool:
+    if type(layer) is not nn.Linear or "bias" in layer:
+        return False
+    weight = layer["weight"]
+    return weight.dtype == mx.float32 and weight.ndim == 2 and mx.default_device() == mx.cpu
+
+
+def _agrees(layer: GemvLinear) -> bool:
+    """Probe rows through sgemv (and BLIS) lie within the fp32 error bound of the layer's own."""
+    weight = buffer_view(layer.linear["weight"])
+    if not weight.flags.c_contiguous:  # sgemv would need a copy per call
+        return False
+    cols = weight.shape[1]
+    probe = mx.sin(mx.arange(2 * cols, dtype=mx.float32) * 0.37).reshape(2, 1, cols)
+    own = np.asarray(layer.linear(probe)).reshape(2, -1)
+    fast = [np.asarray(layer.gemv(probe[:1])).reshape(1, -1)]
+    if layer._gemm is not None:
+        fast.append(np.asarray(layer.few_rows(probe)).reshape(2, -1))
+    for got in fast:
+        for i, row in enumerate(got):
+            bound = dot_error_bound(weight, np.asarray(probe[i]).reshape(-1))
+            if not np.all(np.abs(row.astype(np.float64) - own[i]) <= 2 * bound):
+                return False
+    return True
+
+
+def _converted(value: Any, sgemv: Sgemv, gemm: Gemm | None, wrapped: list[GemvLinear]) -> Any:
+    if isinstance(value, nn.Module):
+        return gemv_body(value, sgemv, gemm, wrapped)
+    if isinstance(value, list):
+        return [_converted(v, sgemv, gemm, wrapped) for v in value]
+    if isinstance(value, tuple):
+        return tuple(_converted(v, sgemv, gemm, wrapped) for v in value)
+    if isinstance(value, dict):
+        return {k: _converted(v, sgemv, gemm, wrapped) for k, v in value.items()}
+    return value
+
+
+def gemv_body(
+    module: nn.Module, sgemv: Sgemv, gemm: Gemm | None = None, wrapped: list[GemvLinear] | None = None
+) -> nn.Module:
+    """A copy of ``module``'s module tree over the same arrays, with every eligible
+    ``nn.Linear`` a ``GemvLinear`` (those that pass the probe; ``wrapped`` collects them)."""
+    if _eligible(module):
+        layer = GemvLinear(module, sgemv, gemm)  # type: ignore[arg-type]
+        if _agrees(layer):
+            if wrapped is not None:
+                wrapped.append(layer)
+            return layer
+        return module
+    if not module.children():  # a leaf that stays as it is (a norm, an embedding, a biased linear)
+        return module
+    new = copy.copy(module)
+    for key, value in module.items():
+        new[key] = _converted(value, sgemv, gemm, wrapped if wrapped is not None else [])
+    return new
+
+
+def with_fast_linears(model: nn.Module) -> nn.Module | ProjectedModel:
+    """``with_fast_head(model)`` whose body also runs its batch-1 projections through sgemv.
+
+    Only where the head itself could be wrapped (fp32 on the CPU with the system OpenBLAS
+    and an architecture that is body then projection), and only if the copied body is
+    the same function: bit-identical to the model's own body on a multi-token probe
+    (every row there goes through MLX's matmul in both)."""
+    fast = with_fast_head(model)
+    sgemv = system_sgemv()
+    if not isinstance(fast, ProjectedModel) or sgemv is None:
+        return fast
+    gemm = system_gemm()
+    wrapped: list[GemvLinear] = []
+    body = gemv_body(model.model, sgemv, gemm, wrapped)
+    if not wrapped:
+        return fast
+    probe = mx.array([[(5 * i + 3) % 97 for i in range(MAX_FEW_ROWS + 1)]])
+    try:
+        same = mx.array_equal(body(probe), model.model(probe)).item()
+    except Exception:  # a body whose copy cannot be called: keep the model's own
+        return fast
+    if not same:
+        return fast
+    head_gemm = gemm if gemm is not None and _head_agrees(fast, gemm) else None
+    return ProjectedModel(model, fast._project, fast._head, sgemv, body=body, gemm=head_gemm)
+
+
+def _head_agrees(fast: ProjectedModel, gemm: Gemm) -> bool:
+    """Two probe rows of the head through BLIS lie within the bound of MLX's own rows."""
+    weight = fast.weight_view()
+    probe = mx.sin(mx.arange(2 * weight.shape[1], dtype=mx.float32) * 0.23).reshape(2, 1, -1)
+    own = np.asarray(fast._project(probe)).reshape(2, -1)
+    got = gemm(np.asarray(probe).reshape(2, -1), weight)
+    bounds = [dot_error_bound(weight, np.asarray(probe[i]).reshape(-1)) for i in range(2)]
+    return all(bool(np.all(np.abs(got[i].astype(np.float64) - own[i]) <= 2 * bounds[i])) for i in range(2))
