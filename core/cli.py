@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
         except ImportError as exc:
             print(f"kvshelf serve needs the server extra: pip install 'kvshelf[server]' ({exc})", file=sys.stderr)
             return 2
-        run_server(
+        return run_server(
             args.model,
             cache_dir=args.cache_dir,
             budget=args.budget,
