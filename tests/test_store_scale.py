@@ -42,7 +42,8 @@ def record(n_tokens: int) -> CacheRecord:
 
 
 def walk(store: RecordStore, limit: int) -> list[str]:
-    ids, after = [], None
+    ids: list[str] = []
+    after = None
     while True:
         items, more = store.page(after, limit)
         ids += [i.agent_id for i in items]
@@ -58,11 +59,11 @@ class ScanCounter:
         self.calls: list[str] = []
         scandir, listdir = os.scandir, os.listdir
 
-        def counting_scandir(path=".", *a, **k):  # type: ignore[no-untyped-def]
+        def counting_scandir(path=".", *a, **k):
             self.calls.append(str(path))
             return scandir(path, *a, **k)
 
-        def counting_listdir(path=".", *a, **k):  # type: ignore[no-untyped-def]
+        def counting_listdir(path=".", *a, **k):
             self.calls.append(str(path))
             return listdir(path, *a, **k)
 
@@ -213,7 +214,7 @@ def test_an_index_deleted_or_damaged_is_rebuilt_and_loses_nothing(tmp_path, dama
             db.execute("PRAGMA user_version = 99")
 
     reopened = RecordStore(tmp_path, FINGERPRINT)
-    listed = {}
+    listed: dict[str, int] = {}
     after = None
     while True:
         items, more = reopened.page(after, 32)
