@@ -53,6 +53,11 @@ log = logging.getLogger(__name__)
 # full costs one attempt (and one logged error) per agent a minute.
 RETRY_FIRST_S = 1.0
 RETRY_MAX_S = 60.0
+# While requests are in flight, a page of the listing takes at most this share of the
+# time: it sleeps after its work for the rest. A listing is an operator's view, generation
+# the product: on two cores a listing at full speed (its Python work holds the GIL) would
+# slow every decoding agent by half, while paced it runs in the gaps. Idle, it runs flat out.
+LISTING_SHARE_WHILE_BUSY = 0.1
 
 
 def _resident(aid: str) -> AgentId:
@@ -346,8 +351,10 @@ class Shelf:
         """Up to ``limit`` agents with ids after ``after``, resident or on disk, in id order.
 
         Merges the store's page of records with the resident agents (some are not on
-        disk yet). Every record past the store's page sorts after all of it, and so
-        does every resident agent past its last id, so neither can be in this page."""
+        disk yet): every record past the store's page sorts after all of it, and so does
+        every resident agent past its last id, so neither can be in this page. While
+        requests are in flight it is paced (``LISTING_SHARE_WHILE_BUSY``)."""
+        started = time.perf_counter()
         records, more = self.store.page(after, limit)
         residents = {a: r for a, r in self.pool.residents().items() if after is None or a > after}
         if more:
@@ -355,6 +362,8 @@ class Shelf:
         by_id: dict[str, RecordInfo] = {r.agent_id: r for r in records}
         ids = sorted(by_id.keys() | residents.keys())
         data = [_agent_info(_resident(a), residents.get(a), by_id.get(a)) for a in ids[:limit]]
+        if self._lent:  # agents are generating: let them have the machine
+            time.sleep((time.perf_counter() - started) * (1 / LISTING_SHARE_WHILE_BUSY - 1))
         return AgentPage(data, more or len(ids) > limit)
 
     def shared_prefixes(self) -> dict[str, list[str]]:

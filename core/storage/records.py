@@ -76,6 +76,8 @@ STALE_TEMP_SECONDS = 600.0
 _HEX = re.compile(r"[0-9a-fA-F]+")
 # Temp files of earlier versions had a random part: ".<id>.<32 hex>.tmp".
 _LEGACY_TEMP = re.compile(r"\.(.+)\.[0-9a-f]{32}\.tmp")
+# What an id read back from the index must look like before it names a file (agent_id's whitelist).
+_ROW_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}")
 
 
 @dataclass(frozen=True)
@@ -164,6 +166,7 @@ class RecordStore:
         self.quarantine_dir = self.directory / QUARANTINE_DIRNAME
         self.lock_timeout = lock_timeout
         self.indexed = indexed
+        self._directory_name = str(self.directory)
         self._index: AgentIndex | None = None
         self._index_lock = threading.Lock()
 
@@ -422,13 +425,13 @@ class RecordStore:
     def _checked(self, row: Row, index: AgentIndex | None) -> RecordInfo | None:
         """The row as it stands on disk: as stored if the file is unchanged, re-read if
         it changed, dropped (None) if it is gone or is not a plain record file."""
-        try:
-            aid = AgentId(row.agent_id)  # a row's id becomes a path: check it like any other
-        except ValueError:
+        name = row.agent_id
+        if not _ROW_ID.fullmatch(name) or ".." in name:  # a row's id becomes a path: nothing may escape
             if index is not None:
-                index.remove(row.agent_id)
+                index.remove(name)
             return None
-        path = id_path(self.directory, aid, RECORD_SUFFIX)
+        aid = str.__new__(AgentId, name)  # every row came from a checked id; this is the hot loop of a listing
+        path = os.path.join(self._directory_name, name + RECORD_SUFFIX)  # (pathlib would be most of its cost)
         try:
             st = os.stat(path, follow_symlinks=False)
         except OSError:
@@ -445,7 +448,7 @@ class RecordStore:
                 index.put(row)
         return RecordInfo(aid, row.tokens or 0, row.size, row.mtime_ns / 1e9)
 
-    def _header_row(self, aid: AgentId, path: Path) -> Row:
+    def _header_row(self, aid: AgentId, path: str) -> Row:
         """A fresh row from the record's header (tokens 0 when the header is unusable;
         load quarantines such a record). Size and mtime come from the same open file."""
         try:
