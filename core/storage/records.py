@@ -169,6 +169,7 @@ class RecordStore:
         self._directory_name = str(self.directory)
         self._index: AgentIndex | None = None
         self._index_lock = threading.Lock()
+        self._index_closed = False
 
     def __repr__(self) -> str:
         return f"RecordStore({str(self.directory)!r})"
@@ -368,9 +369,9 @@ class RecordStore:
     def open_index(self) -> AgentIndex | None:
         """The metadata index, opened (and reconciled in the background) on first use;
         None for a store without one or whose directory does not exist yet."""
-        if self._index is None and self.indexed:
+        if self._index is None and self.indexed and not self._index_closed:
             with self._index_lock:
-                if self._index is None and self.directory.is_dir():
+                if self._index is None and not self._index_closed and self.directory.is_dir():
                     self._index = AgentIndex(self.directory, self._scan)
         return self._index
 
@@ -411,8 +412,9 @@ class RecordStore:
         return found[:limit], len(found) > limit
 
     def close(self) -> None:
-        """Close the index (the records need no closing)."""
+        """Close the index (the records need no closing); listings after this scan the directory."""
         with self._index_lock:
+            self._index_closed = True
             if self._index is not None:
                 self._index.close()
                 self._index = None
