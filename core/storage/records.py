@@ -428,7 +428,7 @@ class RecordStore:
         """The row as it stands on disk: as stored if the file is unchanged, re-read if
         it changed, dropped (None) if it is gone or is not a plain record file."""
         name = row.agent_id
-        if not _ROW_ID.fullmatch(name) or ".." in name:  # a row's id becomes a path: nothing may escape
+        if not _safe_name(name):  # a row's id becomes a path: nothing may escape
             if index is not None:
                 index.remove(name)
             return None
@@ -439,7 +439,7 @@ class RecordStore:
         except OSError:
             st = None
         if st is None or not stat.S_ISREG(st.st_mode):
-            if index is not None and row.mtime_ns >= 0:
+            if index is not None and row.mtime_ns >= 0:  # (-1: there was no row)
                 index.remove(aid, mtime_ns=row.mtime_ns)
             return None
         if row.tokens is None or st.st_size != row.size or st.st_mtime_ns != row.mtime_ns:
@@ -465,8 +465,10 @@ class RecordStore:
         return Row(aid, tokens, st.st_size, st.st_mtime_ns)
 
     def _scan(self) -> Iterator[Row]:
-        """Every record file as a row (tokens unknown), for the index's reconcile pass;
-        sweeps the temp files of writers that died on the way (the only sweep there is)."""
+        """Every record file as a row (tokens, size and mtime unknown: read from its header
+        when first listed), for the index's reconcile pass; sweeps the temp files of
+        writers that died on the way (the only sweep there is). One directory listing,
+        no ``stat`` per record."""
         deadline = time.time() - STALE_TEMP_SECONDS
         try:
             listing = os.scandir(self.directory)
@@ -478,9 +480,8 @@ class RecordStore:
                 try:
                     if name.endswith(RECORD_SUFFIX):
                         candidate = name[: -len(RECORD_SUFFIX)]
-                        if is_valid_agent_id(candidate) and entry.is_file(follow_symlinks=False):
-                            st = entry.stat(follow_symlinks=False)
-                            yield Row(candidate, None, st.st_size, st.st_mtime_ns)
+                        if _safe_name(candidate) and entry.is_file(follow_symlinks=False):
+                            yield Row(candidate, None, 0, 0)
                     elif name.startswith(".") and name.endswith(TEMP_SUFFIX) and self._is_temp_name(name):
                         if entry.stat(follow_symlinks=False).st_mtime < deadline:
                             os.unlink(entry.path)
@@ -613,6 +614,13 @@ class RecordStore:
             target,
         )
         return target
+
+
+def _safe_name(agent_id: str) -> bool:
+    """The whitelist of agent ids, without their Windows device-name rule: the cheap check
+    for ids read back from the index or a directory listing (hot loops), which were
+    checked in full when they were saved."""
+    return _ROW_ID.fullmatch(agent_id) is not None and ".." not in agent_id and not agent_id.endswith(".")
 
 
 def _id_of(record_path: Path) -> AgentId:
