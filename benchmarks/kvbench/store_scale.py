@@ -96,14 +96,14 @@ def messages(i: int) -> list[dict]:
     return [{"role": "user", "content": f"Turn {i}: say something about rivers and the sea."}]
 
 
-def measure_size(model: Path, work: Path, count: int, repeats: int, rng: random.Random) -> tuple[dict, Any]:
-    """One store size; returns its row and the open engine (the caller closes it)."""
+def open_size(model: Path, work: Path, count: int, repeats: int, rng: random.Random) -> tuple[dict, Any]:
+    """One store size: populate it, open a durable engine on it, and measure what depends
+    on that store alone (opening, listing, one agent). Returns its row and the engine,
+    left open for the interleaved rounds of turns (``turns_side_by_side``)."""
     import httpx
 
-    from kvshelf.kv.record import agent_record
     from kvshelf.runtime.engine import Engine
     from kvshelf.serving.server import create_app
-    from kvshelf.storage.agent_id import AgentId
 
     cache = work / f"store-{count}"
     first = Engine(model, cache, durable=True, progress=False)
@@ -128,22 +128,6 @@ def measure_size(model: Path, work: Path, count: int, repeats: int, rng: random.
     assert listed == count + 1, (listed, count)
     os.sync()  # that first listing filled the index's token counts: settle them on disk too
 
-    engine.chat("me", messages(1), max_tokens=4)  # resident again, a turn in
-    cache_now = engine._shelf.pool.get(AgentId("me"))
-    assert cache_now is not None
-    record = agent_record(cache_now)
-    save = _timed(lambda: store.save("me", record), repeats)
-    load = _timed(lambda: store.load("me"), repeats)
-    row = index.get("me")
-    assert row is not None
-    upsert = _timed(lambda: index.put(row), repeats)
-    turns = []
-    for i in range(repeats):
-        t = time.perf_counter()
-        result = engine.chat("me", messages(2 + i), max_tokens=8)
-        turns.append(time.perf_counter() - t)
-        assert result.saved is True
-    assert engine.evict("me")
     someone = f"agent-{rng.randrange(count):06d}" if count else "me"
     get_one = _timed(lambda: engine.agent(someone), repeats)
     _checkout_on_path()
@@ -177,10 +161,6 @@ def measure_size(model: Path, work: Path, count: int, repeats: int, rng: random.
     server.stop()
     row_out = {
         "agents": count,
-        "turn_ms": _ms(turns),
-        "save_ms": _ms(save),
-        "load_ms": _ms(load),
-        "index_upsert_ms": _ms(upsert),
         "get_one_ms": _ms(get_one),
         "get_one_http_ms": _ms(get_http),
         "page100_ms": _ms(pages),
@@ -189,17 +169,51 @@ def measure_size(model: Path, work: Path, count: int, repeats: int, rng: random.
         "engine_open_ms": round(1e3 * open_s, 1),  # model load included
         "index_ready_ms": round(1e3 * reconcile_s, 1),  # from the open
         "first_full_listing_s": round(first_walk_s, 3),
-        "record_bytes": store.size_on_disk("me"),
         "raw": {
-            "turn_s": turns,
-            "save_s": save,
-            "load_s": load,
             "page_s": pages,
             "lazy_page_s": lazy,
             "populate_s": made_s,
         },
     }
     return row_out, engine
+
+
+def turns_side_by_side(engines: list[Any], repeats: int) -> list[dict]:
+    """Saves, loads and whole durable turns of one agent per store, in rounds that visit
+    every store in turn, so the machine's drift (other jobs, page cache) hits all alike."""
+    from kvshelf.kv.record import agent_record
+    from kvshelf.storage.agent_id import AgentId
+
+    out = []
+    for engine in engines:
+        engine.chat("me", messages(1), max_tokens=4)  # resident again, a turn in
+        cache = engine._shelf.pool.get(AgentId("me"))
+        assert cache is not None
+        index = engine._shelf.store.open_index()
+        out.append(
+            {"record": agent_record(cache), "row": index.get("me"), "turn": [], "save": [], "load": [], "upsert": []}
+        )
+    for i in range(repeats):
+        for engine, got in zip(engines, out, strict=True):
+            store = engine._shelf.store
+            got["save"] += _timed(lambda: store.save("me", got["record"]), 1)
+            got["load"] += _timed(lambda: store.load("me"), 1)
+            got["upsert"] += _timed(lambda: store.open_index().put(got["row"]), 1)
+            t = time.perf_counter()
+            result = engine.chat("me", messages(2 + i), max_tokens=8)
+            got["turn"].append(time.perf_counter() - t)
+            assert result.saved is True
+    return [
+        {
+            "turn_ms": _ms(g["turn"]),
+            "save_ms": _ms(g["save"]),
+            "load_ms": _ms(g["load"]),
+            "index_upsert_ms": _ms(g["upsert"]),
+            "record_bytes": e._shelf.store.size_on_disk("me"),
+            "raw": {"turn_s": g["turn"], "save_s": g["save"], "load_s": g["load"]},
+        }
+        for e, g in zip(engines, out, strict=True)
+    ]
 
 
 def overlap(engine: Any, repeats: int) -> dict:
@@ -263,18 +277,26 @@ def measure(sizes: list[int], repeats: int, work: Path, seed: int = 0) -> dict:
     rng = random.Random(seed)
     model = tiny_model(work)
     started = load_average()
-    rows, over = [], {}
-    for i, count in enumerate(sizes):
-        print(f"[store_scale] {count} agents ...", flush=True)
-        row, engine = measure_size(model, work, count, repeats, rng)
-        try:
-            if i == len(sizes) - 1:
-                over = overlap(engine, repeats) | {"agents": count}
-        finally:
+    rows, engines = [], []
+    try:
+        for count in sizes:
+            print(f"[store_scale] {count} agents ...", flush=True)
+            row, engine = open_size(model, work, count, repeats, rng)
+            rows.append(row)
+            engines.append(engine)
+        print("[store_scale] saves, loads and turns, side by side ...", flush=True)
+        for row, turns in zip(rows, turns_side_by_side(engines, repeats), strict=True):
+            row["raw"] |= turns.pop("raw")
+            row |= turns
+        print(f"[store_scale] chats overlapping listings, {sizes[-1]} agents ...", flush=True)
+        over = overlap(engines[-1], repeats) | {"agents": sizes[-1]}
+    finally:
+        for engine in engines:
             engine.close()
-        rows.append(row)
-        shutil.rmtree(work / f"store-{count}", ignore_errors=True)
-        print(f"[store_scale] {count}: { ({k: v for k, v in row.items() if k != 'raw'}) }", flush=True)
+        for count in sizes:
+            shutil.rmtree(work / f"store-{count}", ignore_errors=True)
+    for row in rows:
+        print(f"[store_scale] { ({k: v for k, v in row.items() if k != 'raw'}) }", flush=True)
     base = rows[0]["turn_ms"]
     for row in rows:
         row["turn_vs_empty"] = round(row["turn_ms"] / base, 3)
