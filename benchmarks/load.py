@@ -399,7 +399,12 @@ def main() -> None:
             )
         time.sleep(1)
     wall = time.monotonic() - t0
-    agents = httpx.get(url + "/v1/agents", timeout=60).json()["data"]
+    agents: list[dict] = []
+    page: dict = {"has_more": True, "last_id": None}
+    while page["has_more"]:  # the listing is paged (limit, after, has_more)
+        after = {"after": page["last_id"]} if page["last_id"] else {}
+        page = httpx.get(url + "/v1/agents", params={"limit": 100, **after}, timeout=60).json()
+        agents += page["data"]
 
     server.send_signal(signal.SIGTERM)
     try:
@@ -408,7 +413,7 @@ def main() -> None:
         server.kill()
     log_file.close()
     log = log_path.read_text()
-    clean_exit = server.returncode in (0, -signal.SIGTERM) and "Application shutdown complete" in log
+    clean_exit = server.returncode == 0 and "Application shutdown complete" in log
 
     from kvshelf.runtime.engine import Engine
 

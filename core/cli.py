@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
         from kvshelf.storage.exclusive import DirectoryInUse, StoreUnusable
 
         try:
-            run_server(
+            return run_server(
                 args.model,
                 cache_dir=args.cache_dir,
                 budget=args.budget,

@@ -31,8 +31,10 @@ TINY = [
     "peer_agents=2",
     "peer_doc_tokens=120",
     "peer_max_tokens=3",
+    "store_sizes=0,40",
+    "store_repeats=3",
 ]
-SECTIONS = ("ttft", "capacity", "quality", "routing", "peer")
+SECTIONS = ("ttft", "capacity", "quality", "routing", "peer", "store")
 
 
 def test_bench_quick_writes_a_report_with_charts(tiny_dirs, tmp_path):

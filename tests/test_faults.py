@@ -42,6 +42,7 @@ from kvshelf.serving.server import create_app, serve  # noqa: E402
 from kvshelf.storage import exclusive  # noqa: E402
 from kvshelf.storage import records as store_module  # noqa: E402
 from kvshelf.storage.agent_id import AgentId  # noqa: E402
+from kvshelf.storage.index import INDEX_NAME  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -416,9 +417,7 @@ def test_delete_erases_every_file_block_and_byte_of_the_agent(llama, tmp_path):
         ask(client, agent, f"I am {agent}.")
     ask(client, "zed", "I am zed. More.")
     store = engine._shelf.store
-    # leftovers only a crash or a corrupt record leave: a young temp and a quarantined record
-    temp = store.directory / f".zed.{'c' * 32}.tmp"
-    temp.write_bytes(b"half a record of zed")
+    # leftovers only a crash or a corrupt record leave: a quarantined record and a young temp
     good = store.path_for("zed").read_bytes()
     assert engine.evict("zed")
     store.path_for("zed").write_bytes(good[:-100])  # torn: quarantined on the next load
@@ -429,13 +428,15 @@ def test_delete_erases_every_file_block_and_byte_of_the_agent(llama, tmp_path):
     arrays = [weakref.ref(a) for a in cache.arrays()]
     assert arrays
     del cache
+    temp = store.directory / ".zed.tmp"  # a save of zed that crashed (the next save would replace it)
+    temp.write_bytes(b"half a record of zed")
 
     r = client.delete("/v1/agents/zed")
     assert r.status_code == 200, r.text
     removed = set(r.json()["files_removed"])
     assert {"zed.safetensors", "zed.lock", temp.name} <= removed
     gc.collect()
-    zeds = re.compile(r"\.?zed\.(safetensors|lock|[0-9a-f]{32}\.tmp|\d{8}T[0-9.]+Z\.[0-9a-f]{8}\.\w+)")
+    zeds = re.compile(r"\.?zed\.(safetensors|lock|tmp|[0-9a-f]{32}\.tmp|\d{8}T[0-9.]+Z\.[0-9a-f]{8}\.\w+)")
     left = [p for p in tmp_path.rglob("*") if zeds.fullmatch(p.name)]
     assert left == [], left
     assert blocks() is None and all(a() is None for a in arrays)  # no block of it is held anywhere
@@ -486,8 +487,8 @@ def test_erasing_forked_agents_releases_their_shared_prefix(llama, tmp_path):
         assert client.delete(f"/v1/agents/{agent}").status_code == 200
     gc.collect()
     assert engine._shelf.shared.on_disk() == [] and engine._shelf.shared.users(pid) == []
-    assert not [p for p in tmp_path.rglob("*") if p.is_file() and not p.name.startswith(".server")], list(
-        tmp_path.rglob("*")
-    )  # not a record, lock, marker or prefix file is left
+    left = [p for p in tmp_path.rglob("*") if p.is_file() and not p.name.startswith((".server", INDEX_NAME))]
+    assert not left, list(tmp_path.rglob("*"))  # not a record, lock, marker or prefix file is left
+    assert engine._shelf.store.page()[0] == []  # and the store's index names no agent
     assert held() is None and engine._shelf.shared.resident() == []  # nor its blocks in RAM
     engine.close()

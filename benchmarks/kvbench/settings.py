@@ -12,7 +12,7 @@ import os
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
-SECTIONS = ("ttft", "capacity", "quality", "phases", "routing", "peer")
+SECTIONS = ("ttft", "capacity", "quality", "phases", "routing", "peer", "store")
 
 
 @dataclass(frozen=True)
@@ -50,6 +50,9 @@ class Settings:
     peer_startup_timeout_s: float = 300.0
     # a vllm-mlx executable to run as a second peer ("" = not run; default $KVSHELF_BENCH_VLLM_MLX)
     peer_vllm_mlx: str = field(default_factory=lambda: os.environ.get("KVSHELF_BENCH_VLLM_MLX", ""))
+    # Store scale (issue 22): other agents' files in the store, a tiny model's durable turns
+    store_sizes: tuple[int, ...] = (0, 1000, 10000, 100000)
+    store_repeats: int = 15
     seed: int = 0
     notes: tuple[str, ...] = field(default_factory=tuple)
 
@@ -67,6 +70,7 @@ QUICK = Settings(
     routing_questions=10,
     peer_doc_tokens=512,
     phases_max_tokens=8,
+    store_sizes=(0, 1000, 10000),
 )
 
 FULL = Settings(

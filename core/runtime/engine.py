@@ -31,7 +31,15 @@ from kvshelf.model.template import Message, validate_messages
 from kvshelf.paths import default_cache_dir
 from kvshelf.runtime.events import Event, Failed, Finished, Prefilled, Text
 from kvshelf.runtime.params import GenerationParams
-from kvshelf.runtime.results import AgentInfo, Appended, ChatResult, ForgetResult, ForkResult, Usage  # noqa: F401  (re-exported)
+from kvshelf.runtime.results import (  # noqa: F401  (re-exported)
+    AgentInfo,
+    AgentPage,
+    Appended,
+    ChatResult,
+    ForgetResult,
+    ForkResult,
+    Usage,
+)
 from kvshelf.runtime.sampling import Sampler
 from kvshelf.runtime.scheduler import Request, Scheduler
 from kvshelf.runtime.shelf import Shelf
@@ -338,8 +346,34 @@ class Engine:
         return answered.result()
 
     def agents(self) -> list[AgentInfo]:
-        """Every agent this engine knows, resident or on disk."""
-        return self._scheduler.call(self._shelf.agents)
+        """Every agent this engine knows, resident or on disk, in id order.
+
+        Read page by page from the store's metadata index in the caller's thread: it
+        never runs on the scheduler, so generation goes on meanwhile. For a large
+        store prefer ``agents_page``, which costs the same at 100 agents or 100,000."""
+        out: list[AgentInfo] = []
+        after: AgentId | None = None
+        while True:
+            page = self._shelf.agents_page(after, 1000)
+            out += page.data
+            if not page.has_more or not page.data:
+                return out
+            after = validate_agent_id(page.data[-1].agent_id)
+
+    def agents_page(self, limit: int = 20, after: str | None = None) -> AgentPage:
+        """Up to ``limit`` agents (1 to 1000) whose ids sort after ``after``, in id order.
+
+        The OpenAI way of paging a list: pass the last id of a page as ``after`` while
+        ``has_more`` is true. Every agent present throughout is listed exactly once,
+        however many are added or erased between pages. Runs in the caller's thread."""
+        if not 1 <= limit <= 1000:
+            raise ValueError(f"limit must be between 1 and 1000, got {limit}")
+        return self._shelf.agents_page(_agent(after), limit)
+
+    def agent(self, agent_id: str) -> AgentInfo | None:
+        """One agent's listing entry (resident or on disk), None if it has no cache:
+        a lookup in RAM and one index row, however many agents the store holds."""
+        return self._shelf.agent_info(validate_agent_id(agent_id))
 
     def shared_prefixes(self) -> dict[str, list[str]]:
         """Every shared prefix on disk, with the agents whose records start on it.
@@ -367,13 +401,18 @@ class Engine:
         """
         return self._scheduler.call(self._shelf.flush)
 
-    def close(self) -> None:
-        """Finish requests in flight, flush pending saves, and stop."""
+    def close(self) -> list[str]:
+        """Finish requests in flight, flush pending saves, and stop.
+
+        Returns the agents whose latest state could not be saved (empty when every
+        turn is on disk), as ``flush`` does: it is lost with the process, and a caller
+        that promised durability (``kvshelf serve``) says so."""
         if self._closed:
-            return
-        self.flush()
+            return []
+        unsaved = self.flush()
         self._closed = True
         self._scheduler.close()
+        return unsaved
 
     def __enter__(self) -> Engine:
         return self

@@ -5,6 +5,11 @@ agent's allocated 256-token blocks, and each shared prefix (``kvshelf.kv.shared`
 once, however many resident agents start on it. When the total passes the budget, the
 least recently used agents are spilled (saved by the shelf, ``kvshelf.runtime.shelf``,
 then dropped), which frees their blocks for real. Only the shelf uses this container.
+
+Everything it keeps per agent is for resident agents only and goes with them, so a
+process that has served 100,000 agents holds no more bookkeeping than one that served
+the few now in RAM. Listings read ``residents()``, a snapshot kept as agents are put
+back, so they never need the worker thread that owns the caches.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import re
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 
 from kvshelf.kv.agent_cache import AgentCache
 
@@ -45,6 +51,15 @@ def parse_bytes(value: int | str | None) -> int | None:
     return n
 
 
+@dataclass(frozen=True)
+class Resident:
+    """A resident agent as a listing shows it, as of when it was last put back."""
+
+    tokens: int
+    ram_bytes: int
+    last_used: float
+
+
 class BlockPool:
     """Resident agent caches in least-recently-used order, under a byte budget."""
 
@@ -52,6 +67,8 @@ class BlockPool:
         self.budget = parse_bytes(budget)
         self._agents: OrderedDict[str, AgentCache] = OrderedDict()
         self.last_used: dict[str, float] = {}
+        """When each resident agent was last used (an evicted agent's is its record's mtime)."""
+        self._residents: dict[str, Resident] = {}
         # Bytes the step loop holds for the agents decoding now, on top of their blocks (the
         # decode working set, ``kvshelf.kv.working_set``): they count against the budget too.
         # Asked when needed, so an agent that just finished is no longer counted.
@@ -66,10 +83,18 @@ class BlockPool:
 
     def touch(self, agent_id: str) -> None:
         self._agents.move_to_end(agent_id)
-        self.last_used[agent_id] = time.time()
+        now = self.last_used[agent_id] = time.time()
+        cache = self._agents[agent_id]
+        self._residents[agent_id] = Resident(len(cache.tokens), cache.nbytes, now)
 
     def pop(self, agent_id: str) -> AgentCache | None:
+        self.last_used.pop(agent_id, None)
+        self._residents.pop(agent_id, None)
         return self._agents.pop(agent_id, None)
+
+    def residents(self) -> dict[str, Resident]:
+        """A snapshot of the resident agents, safe to take from any thread (one dict copy)."""
+        return self._residents.copy()
 
     def __contains__(self, agent_id: str) -> bool:
         return agent_id in self._agents

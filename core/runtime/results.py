@@ -46,6 +46,24 @@ class AgentInfo:
 
 
 @dataclass
+class AgentPage:
+    """One page of ``Engine.agents_page``: agents in id order, and whether more follow.
+
+    Pass the last id as ``after`` to get the next page (``has_more`` says whether to)."""
+
+    data: list[AgentInfo]
+    has_more: bool
+
+    @property
+    def first_id(self) -> str | None:
+        return self.data[0].agent_id if self.data else None
+
+    @property
+    def last_id(self) -> str | None:
+        return self.data[-1].agent_id if self.data else None
+
+
+@dataclass
 class ForkResult:
     """What ``Engine.fork`` made: the new agent, and how much of it is shared."""
 

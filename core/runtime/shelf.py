@@ -12,11 +12,19 @@ the budget, forks and erasure follow one set of rules:
 
 Everything but the I/O thread's reads and writes runs on the scheduler's worker
 thread (``kvshelf.runtime.scheduler``), between steps, so no lock guards the caches.
+The one exception is reading the listing (``agent_info``, ``agents_page``): it runs in
+the caller's thread, from the pool's snapshot of resident agents and the store's
+metadata index, so listing 100,000 agents never holds up a decode step.
+
+What the shelf keeps per agent is bounded by what is resident or pending: the save
+table holds only saves not yet finished (each is dropped on the worker once it ends),
+``unsaved`` only agents whose latest state is in RAM alone.
 """
 
 from __future__ import annotations
 
 import logging
+import queue
 import time
 from concurrent.futures import Future
 from dataclasses import replace
@@ -32,11 +40,11 @@ from kvshelf.kv.schemes import KVScheme
 from kvshelf.kv.shared import SharedPrefix
 from kvshelf.model.spec import ModelCacheSpec
 from kvshelf.runtime.iothread import IOThread
-from kvshelf.runtime.pool import BlockPool
-from kvshelf.runtime.results import AgentInfo, ForgetResult, ForkResult
+from kvshelf.runtime.pool import BlockPool, Resident
+from kvshelf.runtime.results import AgentInfo, AgentPage, ForgetResult, ForkResult
 from kvshelf.storage.agent_id import AgentId
 from kvshelf.storage.prefixes import SharedPrefixes
-from kvshelf.storage.records import RecordStore
+from kvshelf.storage.records import RecordInfo, RecordStore
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +54,11 @@ log = logging.getLogger(__name__)
 # full costs one attempt (and one logged error) per agent a minute.
 RETRY_FIRST_S = 1.0
 RETRY_MAX_S = 60.0
+# While requests are in flight, a page of the listing takes at most this share of the
+# time: it sleeps after its work for the rest. A listing is an operator's view, generation
+# the product: on two cores a listing at full speed (its Python work holds the GIL) would
+# slow every decoding agent by half, while paced it runs in the gaps. Idle, it runs flat out.
+LISTING_SHARE_WHILE_BUSY = 0.1
 
 
 def _resident(aid: str) -> AgentId:
@@ -82,7 +95,10 @@ class Shelf:
         """Resident agents whose last save failed: their record on disk is behind."""
         self._lent: set[AgentId] = set()
         self._saves: dict[AgentId, Future] = {}
+        """Saves not finished yet, by agent (its latest one)."""
+        self._finished: queue.SimpleQueue[tuple[AgentId, Future]] = queue.SimpleQueue()
         self._io = IOThread("kvshelf-io")
+        self.store.open_index()  # reconciles with the records in the background from now
         self._retry_delay = RETRY_FIRST_S
         self._retry_at = 0.0
 
@@ -93,6 +109,7 @@ class Shelf:
 
     def can_lend(self, aid: AgentId) -> bool:
         """False while the agent is lent out or its last save is still being written."""
+        self._forget_finished_saves()
         save = self._saves.get(aid)
         return aid not in self._lent and (save is None or save.done())
 
@@ -150,7 +167,19 @@ class Shelf:
         mx.eval(list(record.tensors.values()))  # a snapshot now; the I/O thread writes it later
         fut = self._io.submit(self._write, aid, record, cache.shared)
         self._saves[aid] = fut
+        fut.add_done_callback(lambda f: self._finished.put((aid, f)))  # dropped from the table on the worker
         return fut
+
+    def _forget_finished_saves(self) -> None:
+        """Drop ended saves from the table (worker thread): it holds what is pending only.
+        A failed one leaves the agent in ``unsaved``, which is what ``wait_saved`` reads."""
+        while True:
+            try:
+                aid, fut = self._finished.get_nowait()
+            except queue.Empty:
+                return
+            if self._saves.get(aid) is fut:
+                del self._saves[aid]
 
     def _write(self, aid: AgentId, record: CacheRecord, prefix: SharedPrefix | None) -> bool:
         """Write an agent's record (I/O thread), and its shared prefix first if it has
@@ -199,6 +228,7 @@ class Shelf:
 
     def retry_unsaved(self) -> None:
         """Save again, with backoff, the resident agents whose last save failed."""
+        self._forget_finished_saves()
         if not self.unsaved:
             self._retry_delay = RETRY_FIRST_S
             return
@@ -215,7 +245,7 @@ class Shelf:
     def wait_saved(self, aid: AgentId) -> bool:
         """Wait for the agent's last save; True if it reached the disk (or there was none)."""
         fut = self._saves.get(aid)
-        return True if fut is None else bool(fut.result())
+        return aid not in self.unsaved if fut is None else bool(fut.result())
 
     def enforce_budget(self) -> None:
         """Spill the least recently used agents until the rest fit the byte budget."""
@@ -285,7 +315,6 @@ class Shelf:
         removed = self.store.delete(aid)  # first: where the disk refuses, RAM keeps the agent whole
         removed += self.shared.release(aid)  # its prefix markers; a prefix with no users left
         cache = self.pool.pop(aid)
-        self.pool.last_used.pop(aid, None)
         self.unsaved.discard(aid)
         self._saves.pop(aid, None)
         return ForgetResult(
@@ -312,22 +341,31 @@ class Shelf:
             fut.result()
         return sorted(self.unsaved)
 
-    def agents(self) -> list[AgentInfo]:
-        """Every agent this shelf knows, resident or on disk."""
-        out = []
-        for aid in sorted(set(self.pool) | set(self.store.agent_ids())):
-            cache = self.pool.get(aid)
-            out.append(
-                AgentInfo(
-                    agent_id=aid,
-                    tokens=len(cache.tokens) if cache else self.store.token_count(aid),
-                    ram_bytes=cache.nbytes if cache else 0,
-                    disk_bytes=self.store.size_on_disk(aid),
-                    last_used=self.pool.last_used.get(aid) or self.store.mtime(aid),
-                    resident=cache is not None,
-                )
-            )
-        return out
+    # -- listing (any thread) -------------------------------------------------------------
+    def agent_info(self, aid: AgentId) -> AgentInfo | None:
+        """One agent, resident or on disk, or None: a snapshot lookup and one index row."""
+        resident = self.pool.residents().get(aid)
+        record = self.store.info(aid)
+        return _agent_info(aid, resident, record) if resident or record else None
+
+    def agents_page(self, after: AgentId | None = None, limit: int = 100) -> AgentPage:
+        """Up to ``limit`` agents with ids after ``after``, resident or on disk, in id order.
+
+        Merges the store's page of records with the resident agents (some are not on
+        disk yet): every record past the store's page sorts after all of it, and so does
+        every resident agent past its last id, so neither can be in this page. While
+        requests are in flight it is paced (``LISTING_SHARE_WHILE_BUSY``)."""
+        started = time.perf_counter()
+        records, more = self.store.page(after, limit)
+        residents = {a: r for a, r in self.pool.residents().items() if after is None or a > after}
+        if more:
+            residents = {a: r for a, r in residents.items() if a <= records[-1].agent_id}
+        by_id: dict[str, RecordInfo] = {r.agent_id: r for r in records}
+        ids = sorted(by_id.keys() | residents.keys())
+        data = [_agent_info(_resident(a), residents.get(a), by_id.get(a)) for a in ids[:limit]]
+        if self._lent:  # agents are generating: let them have the machine
+            time.sleep((time.perf_counter() - started) * (1 / LISTING_SHARE_WHILE_BUSY - 1))
+        return AgentPage(data, more or len(ids) > limit)
 
     def shared_prefixes(self) -> dict[str, list[str]]:
         """Each shared prefix on disk and the agents marked as its users."""
@@ -338,3 +376,16 @@ class Shelf:
         for fut in list(self._saves.values()):
             fut.exception()
         self._io.shutdown()
+        self.store.close()
+
+
+def _agent_info(aid: AgentId, resident: Resident | None, record: RecordInfo | None) -> AgentInfo:
+    """What a listing says of an agent: its RAM state if resident, its record's otherwise."""
+    return AgentInfo(
+        agent_id=aid,
+        tokens=resident.tokens if resident else record.tokens if record else 0,
+        ram_bytes=resident.ram_bytes if resident else 0,
+        disk_bytes=record.disk_bytes if record else 0,
+        last_used=resident.last_used if resident else record.mtime if record else None,
+        resident=resident is not None,
+    )

@@ -7,7 +7,8 @@ The id must be 1-128 of ``[A-Za-z0-9._:@-]`` (it becomes a file name); anything 
 is a 400, never a silent rewrite.
 
 Endpoints: ``POST /v1/chat/completions`` (JSON or SSE), ``GET /v1/models``,
-``GET /v1/agents``, ``GET``/``DELETE /v1/agents/{id}`` and ``GET /health``. With an
+``GET /v1/agents`` (paged the OpenAI way: ``limit``, ``after``, ``has_more``),
+``GET``/``DELETE /v1/agents/{id}`` and ``GET /health``. With an
 API key set, every endpoint but ``/health`` wants ``Authorization: Bearer KEY``.
 
 Every error is an OpenAI-style ``{"error": {message, type, param, code}}`` object with
@@ -19,8 +20,10 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
-from contextlib import asynccontextmanager, suppress
+import signal
+import threading
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Iterator
+from contextlib import asynccontextmanager, contextmanager, suppress
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any, TypeVar
@@ -48,6 +51,9 @@ log = logging.getLogger(__name__)
 
 AGENT_HEADER = "x-agent-id"
 MAX_BODY_BYTES = 32 << 20
+LIST_LIMIT_DEFAULT, LIST_LIMIT_MAX = 20, 100  # OpenAI's for its paged lists
+EXIT_UNSAVED = 1
+"""``kvshelf serve``'s exit status when it stopped with turns that are not on disk."""
 T = TypeVar("T")
 
 
@@ -219,7 +225,8 @@ def create_app(
 ) -> FastAPI:
     """The ASGI app over ``engine``. On shutdown (after uvicorn's grace period has let open
     requests finish or cancelled them) it closes the engine with ``close_engine``, which
-    flushes pending saves.
+    flushes pending saves; the agents it could not save are then in
+    ``app.state.unsaved_at_exit``.
 
     A sampling field a request leaves out takes its value from ``defaults``
     (``GenerationParams()``: 2048 tokens, greedy), as in the engine and the adapters."""
@@ -228,9 +235,10 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        app.state.unsaved_at_exit = []
         yield
         if close_engine:
-            await asyncio.to_thread(engine.close)
+            app.state.unsaved_at_exit = await asyncio.to_thread(engine.close)
 
     app = FastAPI(title="kvshelf", lifespan=lifespan, docs_url=None, redoc_url=None)
     router = APIRouter()
@@ -274,8 +282,22 @@ def create_app(
         return {"object": "tokenize", "prompt_tokens": len(ids), "context_length": engine.loaded.context_length}
 
     @router.get("/v1/agents")
-    def list_agents() -> dict:
-        return {"object": "list", "data": [_agent_body(a) for a in engine.agents()]}
+    def list_agents(limit: int = LIST_LIMIT_DEFAULT, after: str | None = None) -> dict:
+        """A page of agents in id order, as OpenAI pages its lists: ``limit`` (1-100,
+        default 20), ``after`` (the last id of the previous page), ``has_more``.
+
+        Served from the store's metadata index in the server's thread pool, so a
+        listing never waits for generation nor holds it up."""
+        if not 1 <= limit <= LIST_LIMIT_MAX:
+            raise bad_request(f"limit must be between 1 and {LIST_LIMIT_MAX}, got {limit}", "limit", "invalid_value")
+        page = engine.agents_page(limit, path_agent_id(after) if after is not None else None)
+        return {
+            "object": "list",
+            "data": [_agent_body(a) for a in page.data],
+            "first_id": page.first_id,
+            "last_id": page.last_id,
+            "has_more": page.has_more,
+        }
 
     def not_found(aid: AgentId) -> UnknownAgent:
         return UnknownAgent(f"No agent {aid!r} has a cache here")
@@ -283,10 +305,10 @@ def create_app(
     @router.get("/v1/agents/{agent_id}")
     def get_agent(agent_id: str) -> dict:
         aid = path_agent_id(agent_id)
-        for a in engine.agents():
-            if a.agent_id == aid:
-                return _agent_body(a)
-        raise not_found(aid)
+        info = engine.agent(aid)  # one agent's metadata, not a listing
+        if info is None:
+            raise not_found(aid)
+        return _agent_body(info)
 
     @router.delete("/v1/agents/{agent_id}")
     def delete_agent(agent_id: str) -> dict:
@@ -413,7 +435,7 @@ def serve(
     port: int = 8000,
     api_key: str | None = None,
     log_level: str = "info",
-) -> None:
+) -> int:
     """Load the model and serve until SIGINT/SIGTERM; shutdown flushes pending saves.
 
     The engine is durable: a response is sent once the agent's turn is on disk (its
@@ -425,6 +447,11 @@ def serve(
     written (read-only, no permission) raises ``exclusive.StoreUnusable``; ``kvshelf
     serve`` prints either in one line and exits 2. See ``exclusive`` for what happens
     when the directory is deleted under a running server.
+
+    Returns the exit status: 0 once everything is on disk, ``EXIT_UNSAVED`` when some
+    agents' latest turns could not be saved (they are named in an error logged at
+    exit). A signal that stops the server is not an error, so a supervisor (systemd,
+    Kubernetes) sees a clean stop as one.
     """
     import uvicorn
 
@@ -440,4 +467,39 @@ def serve(
     assert engine.store_dir.resolve() == held.directory, (engine.store_dir, held.directory)
     engine.guard_store(held.check)
     app = create_app(engine, api_key=api_key, owner=held)
-    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=10)
+    with _stop_signals_are_requests():
+        uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=10)
+    return exit_status(getattr(app.state, "unsaved_at_exit", []))
+
+
+def exit_status(unsaved: list[str]) -> int:
+    """Say plainly, last thing at exit, which agents' last turns were lost; the status to exit with."""
+    if not unsaved:
+        log.info("kvshelf serve: every agent's last turn is on disk")
+        return 0
+    shown = ", ".join(unsaved[:50]) + (f" and {len(unsaved) - 50} more" if len(unsaved) > 50 else "")
+    log.error(
+        "kvshelf serve: stopped with the last turn of %d agent(s) NOT saved (it was in RAM only and is lost; "
+        "their records on disk hold an earlier turn): %s",
+        len(unsaved),
+        shown,
+    )
+    return EXIT_UNSAVED
+
+
+@contextmanager
+def _stop_signals_are_requests() -> Iterator[None]:
+    """While uvicorn runs, SIGTERM and SIGINT mean "shut down", which it does gracefully;
+    it then restores the handlers it found and raises the signal again, to exit as the
+    default handlers would (status -15, or KeyboardInterrupt). The handlers found here
+    take that second delivery as the request it already was, so the exit status is ours."""
+    if threading.current_thread() is not threading.main_thread():  # only the main thread has signals
+        yield
+        return
+    stops = (signal.SIGTERM, signal.SIGINT)
+    previous = {sig: signal.signal(sig, lambda *_: None) for sig in stops}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

@@ -41,7 +41,7 @@ class SharedPrefixes:
     """Shared prefixes in RAM (weakly, by id) and on disk (with user markers)."""
 
     def __init__(self, cache_dir: Path, fingerprint: str, spec: ModelCacheSpec) -> None:
-        self.store = RecordStore(Path(cache_dir) / "shared", fingerprint)
+        self.store = RecordStore(Path(cache_dir) / "shared", fingerprint, indexed=False)
         self.spec = spec
         self._live: weakref.WeakValueDictionary[str, SharedPrefix] = weakref.WeakValueDictionary()
         self._lock = threading.Lock()  # markers are touched from the I/O and worker threads

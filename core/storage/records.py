@@ -19,9 +19,21 @@ this module keeps those bytes on disk. The design follows from three facts:
   (tensors borrowed from MLX's memory) are written as they are, and a file is
   read back with one read into a buffer.
 
+* A save costs the same beside 10 agents' files or 100,000: it touches only its
+  own agent's names (record, lock, and one temp file whose name is a function of
+  the id, so a crashed writer's leftover is simply replaced by the next save and
+  removed by a delete). Nothing on a turn's path lists the directory; temp files
+  of writers that died are swept once, when the store is opened, by the pass that
+  reconciles the metadata index (``kvshelf.storage.index``) with the records.
+  Listing and one agent's metadata come from that index, never from a scan.
+
 An agent id becomes a file name in one place, ``agent_id.id_path``, which is
 also where the store checks it: every public method builds its path first, so
-a bad id raises InvalidAgentId before the disk is touched.
+a bad id raises InvalidAgentId before the disk is touched. Record paths are a
+pure function of the id (``<directory>/<id>.safetensors``): a flat directory
+costs nothing per save on the file systems measured (``benchmarks/store_scale.py``
+puts 100,000 agents' files beside the one saved), so the layout stays as it was
+and every existing store opens unchanged.
 """
 
 from __future__ import annotations
@@ -31,10 +43,13 @@ import logging
 import os
 import re
 import secrets
+import stat
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -44,8 +59,9 @@ from kvshelf.errors import RecordRejected, StorageError
 from kvshelf.kv.record import CacheRecord
 from kvshelf.storage import codec
 from kvshelf.storage.agent_id import AgentId, id_path, is_valid_agent_id
+from kvshelf.storage.index import AgentIndex, Row
 
-__all__ = ["RecordStore"]
+__all__ = ["RecordInfo", "RecordStore"]
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +76,20 @@ STALE_TEMP_SECONDS = 600.0
 _HEX = re.compile(r"[0-9a-fA-F]+")
 # Why a lock file could not be made or opened when the store cannot be written at all.
 _NOT_WRITABLE = frozenset({errno.EROFS, errno.EACCES, errno.EPERM})
+# Temp files of earlier versions had a random part: ".<id>.<32 hex>.tmp".
+_LEGACY_TEMP = re.compile(r"\.(.+)\.[0-9a-f]{32}\.tmp")
+# What an id read back from the index must look like before it names a file (agent_id's whitelist).
+_ROW_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}")
+
+
+@dataclass(frozen=True)
+class RecordInfo:
+    """What a listing shows of one record, from the store's index (checked against the file)."""
+
+    agent_id: AgentId
+    tokens: int
+    disk_bytes: int
+    mtime: float
 
 
 # --------------------------------------------------------------------------
@@ -110,15 +140,18 @@ class RecordStore:
 
         <agent_id>.safetensors   the record
         <agent_id>.lock          its inter-process lock file
-        .<agent_id>.<hex>.tmp    a save in progress (or left by a crashed writer)
+        .<agent_id>.tmp          a save in progress (or left by a crashed writer)
+        .index.sqlite3[-wal|-shm] the metadata index (``kvshelf.storage.index``)
         quarantine/              rejected records and their .reason files
     """
 
-    def __init__(self, root: Path, model_fingerprint: str, *, lock_timeout: float = 60.0) -> None:
+    def __init__(self, root: Path, model_fingerprint: str, *, lock_timeout: float = 60.0, indexed: bool = True) -> None:
         """``model_fingerprint`` must be a hex digest (e.g. sha256) of the model.
 
         ``lock_timeout`` bounds how long save/load/delete wait for another
         process's hold on the same agent before raising StorageError.
+        ``indexed``: keep the metadata index that ``info`` and ``page`` serve from
+        (a store that is never listed page by page, like the shared prefixes', needs none).
         """
         if (
             not isinstance(model_fingerprint, str)
@@ -139,6 +172,11 @@ class RecordStore:
         before every save, delete and quarantine): ``kvshelf serve`` sets its owner
         check here (``kvshelf.storage.exclusive``), which raises StorageError once the
         directory it claimed is gone, so that a save never recreates it."""
+        self.indexed = indexed
+        self._directory_name = str(self.directory)
+        self._index: AgentIndex | None = None
+        self._index_lock = threading.Lock()
+        self._index_closed = False
 
     def __repr__(self) -> str:
         return f"RecordStore({str(self.directory)!r})"
@@ -217,8 +255,10 @@ class RecordStore:
         agent_id = _id_of(path)
         chunks = codec.encode(record, agent_id, self.model_fingerprint)
         with self._held(agent_id):
-            self._remove_stale_temps(agent_id)
-            return self._write_atomically(agent_id, path, chunks)
+            written, row = self._write_atomically(agent_id, path, chunks)
+            if (index := self.open_index()) is not None:
+                index.put(row._replace(tokens=len(record.tokens)))
+            return written
 
     def load(self, agent_id: str) -> CacheRecord | None:
         """The agent's record, or None when there is none or it was unusable.
@@ -323,14 +363,17 @@ class RecordStore:
         path = self.path_for(agent_id)
         agent_id = _id_of(path)
         lock_path = self._lock_path(agent_id)
-        if not (path.exists() or lock_path.exists() or self._stale_temps(agent_id, 0.0) or self._quarantined(agent_id)):
+        temp = self._temp_path(agent_id)
+        if not (path.exists() or lock_path.exists() or temp.exists() or self._quarantined(agent_id)):
             return []  # nothing to remove, and no lock file left behind by looking
         removed: list[Path] = []
         with self._held(agent_id) as lock:
-            for victim in [path, *self._stale_temps(agent_id, 0.0), *self._quarantined(agent_id)]:
+            for victim in [path, temp, *self._quarantined(agent_id)]:
                 with suppress(FileNotFoundError):
                     victim.unlink()
                     removed.append(victim)
+            if (index := self.open_index()) is not None:
+                index.remove(agent_id, erase=True)
             if lock.lock_counter == 1:  # our hold is the outermost one
                 with suppress(FileNotFoundError):
                     lock_path.unlink()
@@ -380,8 +423,139 @@ class RecordStore:
         with self._held(agent_id):
             return self._quarantine(agent_id, path, reason)
 
+    # -- metadata (served from the index) ----------------------------------------------
+
+    def open_index(self) -> AgentIndex | None:
+        """The metadata index, opened (and reconciled in the background) on first use;
+        None for a store without one or whose directory does not exist yet."""
+        if self._index is None and self.indexed and not self._index_closed:
+            with self._index_lock:
+                if self._index is None and not self._index_closed and self.directory.is_dir():
+                    self._index = AgentIndex(self.directory, self._scan)
+        return self._index
+
+    def info(self, agent_id: str) -> RecordInfo | None:
+        """One agent's record metadata, None if it has no record: one index row and one
+        ``stat``, however many agents the store holds."""
+        aid = _id_of(self.path_for(agent_id))
+        index = self.open_index()
+        row = index.get(aid) if index is not None else None
+        return self._checked(row or Row(aid, None, -1, -1), index)
+
+    def page(self, after: str | None = None, limit: int = 100) -> tuple[list[RecordInfo], bool]:
+        """Up to ``limit`` records with ids after ``after``, in id order, and whether more follow.
+
+        A cursor, not an offset: walking pages with the last id of each lists every
+        agent that stays in the store exactly once, however many are added or deleted
+        meanwhile. Costs one index query and one ``stat`` per row, whatever the size
+        of the store. Never call it on the decode thread: it waits for the index's
+        reconcile pass after an open."""
+        if limit < 1:
+            raise ValueError("limit must be at least 1")
+        if after is not None:
+            after = _id_of(id_path(self.directory, after, RECORD_SUFFIX))
+        index = self.open_index()
+        if index is None:
+            return self._page_without_index(after, limit)
+        found: list[RecordInfo] = []
+        cursor: str | None = after
+        while len(found) <= limit:  # stale rows are dropped: ask again until the page is full
+            want = limit + 1 - len(found)
+            rows = index.after(cursor, want)
+            for row in rows:
+                if (info := self._checked(row, index)) is not None:
+                    found.append(info)
+            if len(rows) < want:
+                break
+            cursor = rows[-1].agent_id
+        return found[:limit], len(found) > limit
+
+    def close(self) -> None:
+        """Close the index (the records need no closing); listings after this scan the directory."""
+        with self._index_lock:
+            self._index_closed = True
+            if self._index is not None:
+                self._index.close()
+                self._index = None
+
+    def _page_without_index(self, after: str | None, limit: int) -> tuple[list[RecordInfo], bool]:
+        ids = [a for a in self.agent_ids() if after is None or a > after]
+        infos = [info for a in ids[: limit + 1] if (info := self._checked(Row(a, None, -1, -1), None)) is not None]
+        return infos[:limit], len(ids) > limit
+
+    def _checked(self, row: Row, index: AgentIndex | None) -> RecordInfo | None:
+        """The row as it stands on disk: as stored if the file is unchanged, re-read if
+        it changed, dropped (None) if it is gone or is not a plain record file."""
+        name = row.agent_id
+        if not _safe_name(name):  # a row's id becomes a path: nothing may escape
+            if index is not None:
+                index.remove(name)
+            return None
+        aid = str.__new__(AgentId, name)  # every row came from a checked id; this is the hot loop of a listing
+        path = os.path.join(self._directory_name, name + RECORD_SUFFIX)  # (pathlib would be most of its cost)
+        try:
+            st = os.stat(path, follow_symlinks=False)
+        except OSError:
+            st = None
+        if st is None or not stat.S_ISREG(st.st_mode):
+            if index is not None and row.mtime_ns >= 0:  # (-1: there was no row)
+                index.remove(aid, mtime_ns=row.mtime_ns)
+            return None
+        if row.tokens is None or st.st_size != row.size or st.st_mtime_ns != row.mtime_ns:
+            row = self._header_row(aid, path)
+            if row.size < 0:
+                return None
+            if index is not None:
+                index.put(row)
+        return RecordInfo(aid, row.tokens or 0, row.size, row.mtime_ns / 1e9)
+
+    def _header_row(self, aid: AgentId, path: str) -> Row:
+        """A fresh row from the record's header (tokens 0 when the header is unusable;
+        load quarantines such a record). Size and mtime come from the same open file."""
+        try:
+            with open(path, "rb") as file:
+                st = os.fstat(file.fileno())
+                try:
+                    tokens = codec.read_token_count(file, st.st_size, self.model_fingerprint)
+                except RecordRejected:
+                    tokens = 0
+        except OSError:
+            return Row(aid, None, -1, -1)
+        return Row(aid, tokens, st.st_size, st.st_mtime_ns)
+
+    def _scan(self) -> Iterator[Row]:
+        """Every record file as a row (tokens, size and mtime unknown: read from its header
+        when first listed), for the index's reconcile pass; sweeps the temp files of
+        writers that died on the way (the only sweep there is). One directory listing,
+        no ``stat`` per record."""
+        deadline = time.time() - STALE_TEMP_SECONDS
+        try:
+            listing = os.scandir(self.directory)
+        except OSError:
+            return
+        with listing:
+            for entry in listing:
+                name = entry.name
+                try:
+                    if name.endswith(RECORD_SUFFIX):
+                        candidate = name[: -len(RECORD_SUFFIX)]
+                        if _safe_name(candidate) and entry.is_file(follow_symlinks=False):
+                            yield Row(candidate, None, 0, 0)
+                    elif name.startswith(".") and name.endswith(TEMP_SUFFIX) and self._is_temp_name(name):
+                        if entry.stat(follow_symlinks=False).st_mtime < deadline:
+                            os.unlink(entry.path)
+                            logger.info("kvshelf: removed %s, left by a save that did not finish", entry.path)
+                except OSError:
+                    continue
+
+    @staticmethod
+    def _is_temp_name(name: str) -> bool:
+        legacy = _LEGACY_TEMP.fullmatch(name)
+        return is_valid_agent_id(name[1 : -len(TEMP_SUFFIX)]) or (legacy is not None and is_valid_agent_id(legacy[1]))
+
     def agent_ids(self) -> list[AgentId]:
-        """Sorted ids of the agents that have a record in this store."""
+        """Sorted ids of the agents that have a record in this store (a full directory
+        scan: for listings, use ``page``)."""
         try:
             with os.scandir(self.directory) as listing:
                 entries = list(listing)
@@ -397,15 +571,25 @@ class RecordStore:
 
     # -- internals -----------------------------------------------------------
 
-    def _write_atomically(self, agent_id: str, path: Path, chunks: list[memoryview | bytes]) -> int:
-        """Temp file, fsync, rename, fsync dir; on failure the old record stays."""
-        temp = self.directory / f".{agent_id}.{secrets.token_hex(16)}{TEMP_SUFFIX}"
+    def _temp_path(self, agent_id: str) -> Path:
+        """Where a save of the agent writes before its rename: one name per agent, as
+        only the holder of the agent's lock writes it."""
+        return self.directory / f".{agent_id}{TEMP_SUFFIX}"
+
+    def _write_atomically(self, agent_id: str, path: Path, chunks: list[memoryview | bytes]) -> tuple[int, Row]:
+        """Temp file, fsync, rename, fsync dir; on failure the old record stays.
+
+        Returns the bytes written and the record's index row (tokens left unknown)."""
+        temp = self._temp_path(agent_id)
         fd = -1
         try:
-            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
+            with suppress(FileNotFoundError):
+                temp.unlink()  # a crashed save's leftover: we hold the lock, so nobody writes it now
+            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0)
             fd = os.open(temp, flags, 0o600)  # a KV cache reveals its prompt: owner-only
             written = sum(_write_all(fd, chunk) for chunk in chunks)
             _fsync_file(fd)
+            st = os.fstat(fd)
             os.close(fd)
             fd = -1
             os.replace(temp, path)
@@ -425,7 +609,7 @@ class RecordStore:
                 str(path),
             ) from exc
         self._fsync_directory()
-        return written
+        return written, Row(agent_id, None, st.st_size, st.st_mtime_ns)
 
     def _fsync_directory(self) -> None:
         """Make renames durable. Some filesystems refuse to fsync a directory;
@@ -448,24 +632,9 @@ class RecordStore:
             return [Path(e.path) for e in entries if pattern.fullmatch(e.name)]
         return []
 
-    def _stale_temps(self, agent_id: str, min_age: float = STALE_TEMP_SECONDS) -> list[Path]:
-        """Temp files of this agent's writers that died mid-save (at least ``min_age`` s old)."""
-        pattern = re.compile(rf"\.{re.escape(agent_id)}\.[0-9a-f]{{32}}{re.escape(TEMP_SUFFIX)}")
-        deadline = time.time() - min_age
-        stale = []
-        with suppress(FileNotFoundError), os.scandir(self.directory) as entries:
-            for entry in entries:
-                if pattern.fullmatch(entry.name):
-                    with suppress(OSError):
-                        if min_age <= 0 or entry.stat(follow_symlinks=False).st_mtime < deadline:
-                            stale.append(Path(entry.path))
-        return stale
-
-    def _remove_stale_temps(self, agent_id: str) -> None:
-        for temp in self._stale_temps(agent_id):
-            with suppress(OSError):
-                temp.unlink()
-                logger.info("kvshelf: removed %s, left by a save that did not finish", temp)
+    def _unindex(self, agent_id: str) -> None:
+        if (index := self.open_index()) is not None:
+            index.remove(agent_id)
 
     def _quarantine(self, agent_id: str, path: Path, reason: str) -> Path | None:
         """Move an unusable record aside (never delete it) and say why."""
@@ -476,6 +645,7 @@ class RecordStore:
             self.quarantine_dir.mkdir(parents=True, exist_ok=True)
             os.replace(path, target)
         except FileNotFoundError:
+            self._unindex(agent_id)
             return None
         except OSError as exc:
             logger.error(
@@ -486,6 +656,7 @@ class RecordStore:
                 exc,
             )
             return None
+        self._unindex(agent_id)
         note = (
             f"agent: {agent_id}\nreason: {reason}\nmoved from: {path}\n"
             f"quarantined at: {stamp}\nexpected model fingerprint: {self.model_fingerprint}\n"
@@ -502,6 +673,13 @@ class RecordStore:
             target,
         )
         return target
+
+
+def _safe_name(agent_id: str) -> bool:
+    """The whitelist of agent ids, without their Windows device-name rule: the cheap check
+    for ids read back from the index or a directory listing (hot loops), which were
+    checked in full when they were saved."""
+    return _ROW_ID.fullmatch(agent_id) is not None and ".." not in agent_id and not agent_id.endswith(".")
 
 
 def _id_of(record_path: Path) -> AgentId:

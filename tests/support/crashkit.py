@@ -166,9 +166,11 @@ class Child:
         self.reader.join(10)
 
 
-def temp_files(directory: Path) -> set[str]:
+def temp_files(directory: Path) -> set[tuple[str, int]]:
+    """The temp files there, by name and inode: a save reuses its agent's temp name, so a
+    new write shows as a new inode under a name a crashed one left."""
     try:
-        return {e.name for e in os.scandir(directory) if e.name.endswith(".tmp")}
+        return {(e.name, e.inode()) for e in os.scandir(directory) if e.name.endswith(".tmp")}
     except FileNotFoundError:
         return set()
 
