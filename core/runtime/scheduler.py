@@ -236,8 +236,8 @@ class Scheduler:
 
     def _start(self, r: Request) -> None:
         aid = r.agent_id
-        if aid is None:
-            r.cache, r.source = self._shelf.new_cache(), "none"
+        if aid is None:  # never persisted; may start on an anonymous prefix in RAM
+            r.cache, r.source = self._shelf.anonymous_cache(r.prompt), "none"
         elif (cache := self._shelf.lend(aid)) is not None:
             r.cache, r.source = cache, "hot"
         else:  # prefetch: read and verify the record on the I/O thread while others decode
@@ -379,7 +379,11 @@ class Scheduler:
         (from the I/O thread, so the step loop never waits on the disk), with ``saved``
         saying whether the record on disk now holds the turn.
         """
-        settled = self._shelf.give_back(r.agent_id, r.cache) if r.agent_id is not None else None
+        settled = None
+        if r.agent_id is not None:
+            settled = self._shelf.give_back(r.agent_id, r.cache)
+        else:
+            self._shelf.keep_anonymous(r.cache)
         if not emit_result:
             return
         if len(r.text) > r.emitted:

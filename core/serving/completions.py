@@ -51,16 +51,21 @@ class Turn:
 
 
 def _agent_id(req: ChatCompletionRequest, header: str | None) -> AgentId | None:
-    """The agent a request names: the header, else the body's ``user``, validated here,
-    once; an ``AgentId`` (an adapter's, already valid) is passed through unchecked."""
-    value, param = (header, "X-Agent-Id") if header is not None else (req.user, "user")
+    """The agent a request names: the ``X-Agent-Id`` header, else the body's
+    ``prompt_cache_key`` (OpenAI's own field for "requests that share a cache", which
+    OpenAI clients can send without extra headers), else its ``user``; validated here,
+    once. An ``AgentId`` (an adapter's, already valid) is passed through unchecked.
+    None: an anonymous request (served from RAM only, see ``kvshelf.runtime.anonymous``)."""
+    sources = ((header, "X-Agent-Id"), (req.prompt_cache_key, "prompt_cache_key"), (req.user, "user"))
+    value, param = next(((v, p) for v, p in sources if v is not None), (None, ""))
     if value is None:
         return None
     try:
         return AgentId(value)
     except InvalidAgentId as exc:
         raise bad_request(
-            f"{exc}. The X-Agent-Id header (or else the body's 'user') names the agent whose cache is used.",
+            f"{exc}. The X-Agent-Id header (else the body's 'prompt_cache_key', else its 'user') "
+            "names the agent whose cache is used.",
             param,
             "invalid_agent_id",
         ) from None
