@@ -104,6 +104,7 @@ class Request:
     cancelled: bool = False
     background: bool = False  # prefill ahead: lowest priority, superseded by any later request
     until: Callable[[str], int] | None = None  # where the reply is complete (e.g. a JSON object), or -1
+    progress: Callable[[int, int], None] | None = None  # (prompt tokens done, of) after each prefill chunk
     cache: AgentCache | None = None
     restoring: Future | None = None
     planned: bool = False
@@ -295,6 +296,8 @@ class Scheduler:
             r.cache.tokens.extend(ids)
             if r.plan:
                 mx.eval(r.cache.arrays())
+                if r.progress is not None:  # a caller showing a long prefill (worker thread: keep it quick)
+                    r.progress(len(r.prompt) - len(r.todo), len(r.prompt))
                 return True
             if r.background:  # its logits are never read: only the cache is computed
                 mx.eval(r.cache.arrays())

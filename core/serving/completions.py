@@ -147,6 +147,22 @@ class ReplyShaper:
         return tail, calls, "tool_calls" if calls else result.finish_reason
 
 
+def log_turn(result: ChatResult) -> None:
+    """One INFO line per answered turn: which agent, where its cache came from, how much of
+    the prompt it covered. What a user of a framework's own OpenAI client reads to see that
+    turn two was warm; it holds counts and the agent id, never prompt text."""
+    u = result.usage
+    log.info(
+        "turn done: agent=%s cache=%s cached=%d/%d completion=%d ttft=%.3fs",
+        result.agent_id or "-",
+        result.cache,
+        u.cached_tokens,
+        u.prompt_tokens,
+        u.completion_tokens,
+        result.ttft_s,
+    )
+
+
 def extension(result: ChatResult) -> dict[str, Any]:
     """kvshelf's own fields, beside OpenAI's: which agent, where its cache came from, and
     (from a durable engine, as ``kvshelf serve`` runs) whether the turn is on disk."""
@@ -167,6 +183,7 @@ def completion(items: list[str | ChatResult], turn: Turn, model: str) -> dict:
     """The body of a non-streamed completion from the engine's items (chunks, then the result)."""
     result = items[-1]
     assert isinstance(result, ChatResult)
+    log_turn(result)
     shaper = ReplyShaper(turn)
     for chunk in [turn.opening, *items[:-1]]:
         shaper.feed(chunk)  # type: ignore[arg-type]
@@ -205,6 +222,7 @@ class ChunkBuilder:
             shown = self.shaper.feed(item)
             return [self._chunk({"content": shown})] if shown else []
         out = []
+        log_turn(item)
         tail, calls, finish = self.shaper.finish(item)
         if tail and (tail.strip() or not calls):
             out.append(self._chunk({"content": tail}))
