@@ -104,19 +104,31 @@ def test_langchain_chat_openai_snippet(server, capsys):
     assert int(printed.split()[-1]) == cached  # usage_metadata's cache_read is the server's cached_tokens
 
 
+def cache_read(message) -> int:
+    assert message.usage_metadata is not None
+    return message.usage_metadata["input_token_details"]["cache_read"]
+
+
+def input_tokens(message) -> int:
+    assert message.usage_metadata is not None
+    return message.usage_metadata["input_tokens"]
+
+
 def test_chat_openai_prompt_cache_key_and_no_identity(server):
     """The two other routes of the section: prompt_cache_key per call, and no identity at all."""
     from langchain_openai import ChatOpenAI
+    from pydantic import SecretStr
 
-    llm = ChatOpenAI(model="kvshelf", base_url=server.url, api_key="x", temperature=0, max_tokens=16)
+    llm = ChatOpenAI(
+        model="kvshelf", base_url=server.url, api_key=SecretStr("x"), temperature=0, max_completion_tokens=16
+    )
     messages = [("system", "You are Carol, a shopkeeper. " * 4), ("human", "What do you sell?")]
     first = llm.invoke(messages, prompt_cache_key="carol")
     second = llm.invoke([*messages, first, ("human", "Why?")], prompt_cache_key="carol")
-    assert second.usage_metadata["input_token_details"]["cache_read"] >= first.usage_metadata["input_tokens"]
+    assert cache_read(second) >= input_tokens(first)
     assert [t[0] for t in turns_of(server.log, "carol")] == ["cold", "hot"]
     # no header, no key, no user: the anonymous in-RAM prefix cache still covers turn 1
     messages = [("system", "You are nobody in particular. " * 4), ("human", "Say hello.")]
     first = llm.invoke(messages)
     second = llm.invoke([*messages, first, ("human", "Again.")])
-    assert first.usage_metadata["input_token_details"]["cache_read"] == 0
-    assert second.usage_metadata["input_token_details"]["cache_read"] >= first.usage_metadata["input_tokens"]
+    assert cache_read(first) == 0 and cache_read(second) >= input_tokens(first)
