@@ -29,7 +29,7 @@ from collections import deque
 from collections.abc import AsyncGenerator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, cast
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 from autogen_core import EVENT_LOGGER_NAME, CancellationToken, Component, FunctionCall, Image, MessageHandlerContext
 from autogen_core.logging import LLMCallEvent, LLMStreamEndEvent, LLMStreamStartEvent
@@ -51,10 +51,12 @@ from pydantic import BaseModel, SecretStr
 
 from kvshelf.adapters.backend import Backend, connect, merge_chunks
 from kvshelf.adapters.identity import agent_key, fallback_key
-from kvshelf.runtime.engine import Engine
 from kvshelf.runtime.params import GenerationParams
 from kvshelf.serving.tools import tools_text, with_system_text
 from kvshelf.storage.agent_id import AgentId
+
+if TYPE_CHECKING:  # imported in process only (see kvshelf.adapters.backend)
+    from kvshelf.runtime.engine import Engine
 
 __all__ = [
     "KVShelfChatCompletionClient",

@@ -25,16 +25,19 @@ agent ids as ``AgentId``: validated once, where the framework's name became an i
 from __future__ import annotations
 
 import json
+import os
 import threading
 from collections.abc import AsyncGenerator, Generator, Mapping
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from kvshelf.errors import BackendError
-from kvshelf.runtime.engine import Engine
 from kvshelf.runtime.results import ChatResult
 from kvshelf.storage.agent_id import AgentId
+
+if TYPE_CHECKING:  # the engine (MLX, mlx-lm: seconds to import) is imported only in process
+    from kvshelf.runtime.engine import Engine
 
 __all__ = ["Backend", "BackendError", "LocalBackend", "RemoteBackend", "connect", "merge_chunks", "shared_engine"]
 
@@ -93,6 +96,8 @@ def shared_engine(
     """The process-wide engine for ``(model, cache_dir)``: created once, then shared by
     every adapter instance, so all agents are batched together and no model is loaded twice.
     ``budget`` applies when the engine is created."""
+    from kvshelf.runtime.engine import Engine
+
     key = (str(model), str(Path(cache_dir).resolve()) if cache_dir is not None else "")
     with _engines_lock:
         engine = _engines.get(key)
@@ -326,9 +331,16 @@ def connect(
     engine: Engine | None = None,
 ) -> Backend:
     """A remote backend when ``base_url`` is given, else the shared in-process engine
-    (or ``engine``, when the caller owns one)."""
+    (or ``engine``, when the caller owns one).
+
+    Every adapter comes through here, so all of them read the same environment: without
+    ``engine`` or ``base_url``, ``$KVSHELF_BASE_URL`` names a running ``kvshelf serve``;
+    without ``api_key``, ``$KVSHELF_API_KEY`` is its key. Only the in-process mode
+    imports the engine (and MLX), so a remote client starts in a fraction of a second."""
+    if engine is None and not base_url:
+        base_url = os.environ.get("KVSHELF_BASE_URL") or None
     if base_url:
-        return RemoteBackend(base_url, api_key)
+        return RemoteBackend(base_url, api_key if api_key is not None else os.environ.get("KVSHELF_API_KEY"))
     return LocalBackend(engine or shared_engine(model, cache_dir, budget))
 
 

@@ -1,4 +1,10 @@
-"""The ``kvshelf`` command line: ``demo`` (the main job), ``serve``, ``bench``, ``convert`` and ``agents``."""
+"""The ``kvshelf`` command line: ``demo`` (the main job), ``serve``, ``bench``, ``doctor``,
+``convert`` and ``agents``.
+
+``demo``, ``serve`` and ``bench`` say at start which BLAS MLX's CPU matmuls use, with a
+loud warning and the fix when it is the slow reference BLAS (``kvshelf.model.blas_check``);
+``doctor`` measures it. Every option's default is shown in ``--help``.
+"""
 
 from __future__ import annotations
 
@@ -8,36 +14,68 @@ import os
 import sys
 from pathlib import Path
 
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+class _Help(argparse.ArgumentDefaultsHelpFormatter):
+    """Defaults in --help, without "(default: None)" on options whose absence means something."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or action.default is argparse.SUPPRESS or isinstance(action.default, bool):
+            return action.help
+        return super()._get_help_string(action)
+
+
+def _version() -> str:
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version("kvshelf")
+    except importlib.metadata.PackageNotFoundError:  # a source tree on PYTHONPATH
+        from kvshelf import __version__
+
+        return __version__
+
 
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="embedded", help="'embedded', an mlx-lm model dir, or a HF repo id")
-    p.add_argument("--cache-dir", type=Path, default=None, help="where agent records live")
-    p.add_argument("--budget", default=None, help="RAM budget for resident caches, e.g. 2GB")
+    p.add_argument(
+        "--cache-dir", type=Path, default=None, help="where agent records live (default: $KVSHELF_HOME/agents)"
+    )
+    p.add_argument("--budget", default=None, help="RAM budget for resident caches, e.g. 2GB (default: no limit)")
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["bench"]:  # every option after it belongs to benchmarks/bench.py
-        return _bench(argv[1:])
-    parser = argparse.ArgumentParser(prog="kvshelf", description="Persistent per-agent Q4 KV caches on MLX")
+def _log_level(p: argparse.ArgumentParser, default: str) -> None:
+    p.add_argument("--log-level", choices=LOG_LEVELS, default=default, help="what kvshelf (and uvicorn) log to stderr")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvshelf", description="Persistent per-agent Q4 KV caches on MLX", formatter_class=_Help
+    )
+    parser.add_argument("--version", action="version", version=f"kvshelf {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    demo = sub.add_parser("demo", help="run a multi-agent round-table on the embedded model")
+    demo = sub.add_parser("demo", help="run a multi-agent round-table on the embedded model", formatter_class=_Help)
     _common(demo)
-    demo.add_argument("--turns", type=int, default=3)
-    demo.add_argument("--max-tokens", type=int, default=40)
+    demo.add_argument("--turns", type=int, default=2, help="rounds; every agent speaks once a round")
+    demo.add_argument("--max-tokens", type=int, default=32, help="longest reply, in tokens")
     demo.add_argument("--fresh", action="store_true", help="forget the demo agents first")
+    _log_level(demo, "warning")
 
-    serve = sub.add_parser("serve", help="run an OpenAI-compatible HTTP server (needs kvshelf[server])")
+    serve = sub.add_parser(
+        "serve", help="run an OpenAI-compatible HTTP server (needs kvshelf[server])", formatter_class=_Help
+    )
     _common(serve)
-    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
-    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (loopback only unless told otherwise)")
+    serve.add_argument("--port", type=int, default=8000, help="TCP port to listen on")
     serve.add_argument(
         "--api-key",
         default=os.environ.get("KVSHELF_API_KEY"),
         help="require 'Authorization: Bearer KEY' on every endpoint but /health "
         "(default: $KVSHELF_API_KEY, which keeps the key out of the process list)",
     )
+    _log_level(serve, "info")
 
     bench = sub.add_parser(
         "bench",
@@ -47,25 +85,41 @@ def main(argv: list[str] | None = None) -> int:
     )
     bench.add_argument("options", nargs="*", help="see benchmarks/bench.py --help")
 
+    doctor = sub.add_parser(
+        "doctor",
+        help="report the BLAS and its GFLOP/s, the MLX device, the model cache and the store",
+        formatter_class=_Help,
+    )
+    doctor.add_argument(
+        "--cache-dir", type=Path, default=None, help="the store to report (default: $KVSHELF_HOME/agents)"
+    )
+
     sub.add_parser("convert", help="convert the embedded GGUF model now (it is otherwise done on first use)")
 
-    agents = sub.add_parser("agents", help="list the agents with a cache")
+    agents = sub.add_parser("agents", help="list the agents with a cache", formatter_class=_Help)
     _common(agents)
+    return parser
 
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["bench"]:  # every option after it belongs to benchmarks/bench.py
+        return _bench(argv[1:])
+    args = build_parser().parse_args(argv)
+    level = getattr(args, "log_level", "warning")
+    logging.basicConfig(level=level.upper(), format="%(levelname)s %(name)s: %(message)s")
 
     if args.command == "demo":
-        from kvshelf.demo import run_demo
-
-        run_demo(args.model, args.cache_dir, args.turns, args.max_tokens, args.budget, args.fresh)
-    elif args.command == "serve":
+        return _demo(args)
+    if args.command == "serve":
         try:
             from kvshelf.serving.server import serve as run_server
         except ImportError as exc:
             print(f"kvshelf serve needs the server extra: pip install 'kvshelf[server]' ({exc})", file=sys.stderr)
             return 2
         from kvshelf.storage.exclusive import DirectoryInUse, StoreUnusable
+
+        _announce_blas()
 
         try:
             return run_server(
@@ -75,12 +129,17 @@ def main(argv: list[str] | None = None) -> int:
                 host=args.host,
                 port=args.port,
                 api_key=args.api_key,
+                log_level=level,
             )
         except (DirectoryInUse, StoreUnusable) as exc:  # refused before the model was loaded
             print(f"kvshelf serve: {exc}", file=sys.stderr)
             return 2
     elif args.command == "bench":
         return _bench(args.options)
+    elif args.command == "doctor":
+        from kvshelf.doctor import run_doctor
+
+        return run_doctor(args.cache_dir)
     elif args.command == "convert":
         from kvshelf.model.embedded import embedded_model_dir
 
@@ -91,6 +150,25 @@ def main(argv: list[str] | None = None) -> int:
         engine = Engine(args.model, args.cache_dir, args.budget)
         for a in engine.agents():
             print(f"{a.agent_id:<40s} {a.tokens or 0:7d} tokens  ram {a.ram_bytes:>10d} B  disk {a.disk_bytes:>10d} B")
+    return 0
+
+
+def _announce_blas() -> None:
+    from kvshelf.model.blas_check import announce
+
+    announce()
+
+
+def _demo(args: argparse.Namespace) -> int:
+    """Run the demo; Ctrl-C ends it with status 130 and no traceback (the demo saved first)."""
+    try:
+        _announce_blas()
+        from kvshelf.demo import run_demo
+
+        run_demo(args.model, args.cache_dir, args.turns, args.max_tokens, args.budget, args.fresh)
+    except KeyboardInterrupt:
+        print("kvshelf demo: interrupted", file=sys.stderr)
+        return 130
     return 0
 
 
@@ -106,6 +184,8 @@ def _bench(options: list[str]) -> int:
             file=sys.stderr,
         )
         return 2
+    if not {"-h", "--help"} & set(options):
+        _announce_blas()  # the child process preloads the same BLAS as this one (same environment)
     return subprocess.call([sys.executable, str(script), *options])
 
 

@@ -1,19 +1,28 @@
 """``kvshelf demo``: four agents with their own system prompts hold a round-table.
 
-Every turn prints where each agent's cache came from (cold: computed from nothing;
-warm: restored from disk; hot: still in RAM), its time to first token, how many
-prompt tokens were reused, and the bytes the agent holds in RAM and on disk.
+Each agent's reply streams as it is generated, and beside it: where its cache came
+from (cold: computed from nothing; warm: restored from disk; hot: still in RAM), how
+many prompt tokens were reused, its time to first token and the bytes it holds. A
+cold prefill that takes more than a couple of seconds shows its progress.
 
 The conversation itself (what a framework would keep in its own memory) is saved
-next to the caches, so running the demo again continues it: every agent's first
-turn is then restored from disk instead of recomputed.
+next to the caches after every reply, so running the demo again continues it: every
+agent's first turn is then restored from disk instead of recomputed. Ctrl-C stops the
+reply in progress at the next model call, flushes every save, says what is on disk,
+and exits with status 130; the next run carries on from the last finished reply.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import signal
+import sys
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any, TextIO
 
 from kvshelf.runtime.engine import ChatResult, Engine
 
@@ -63,68 +72,194 @@ AGENTS = {
 }
 
 
+PROGRESS_AFTER_S = 2.0
+"""A prefill still running after this long shows its progress."""
+
+
 def _fmt_bytes(n: int) -> str:
-    return f"{n / 1e6:6.2f} MB"
+    return f"{n / 1e6:.2f} MB"
 
 
-def _row(agent: str, turn: int, r: ChatResult, ram: int, disk: int) -> str:
+def _stats(r: ChatResult, ram: int, disk: int) -> str:
+    u = r.usage
+    speed = f"{u.completion_tokens / (r.total_s - r.ttft_s):.1f} tok/s" if r.total_s > r.ttft_s else "-"
     return (
-        f"turn {turn:2d}  {agent:<10s} {r.cache:<4s}  ttft {r.ttft_s * 1000:8.1f} ms  "
-        f"cached {r.usage.cached_tokens:5d}/{r.usage.prompt_tokens:<5d} "
-        f"ram {_fmt_bytes(ram)}  disk {_fmt_bytes(disk)}"
+        f"[{r.cache} | cached {u.cached_tokens}/{u.prompt_tokens} | ttft {r.ttft_s:.2f} s | "
+        f"{u.completion_tokens} tokens, {speed} | ram {_fmt_bytes(ram)}, disk {_fmt_bytes(disk)}]"
     )
+
+
+class Console:
+    """Streams replies to a terminal or a pipe; rewrites the progress line only on a TTY."""
+
+    def __init__(self, out: TextIO | None = None) -> None:
+        self.out = out or sys.stdout
+        self.tty = self.out.isatty()
+        self._lock = threading.Lock()
+        self._progress_shown = False
+
+    def write(self, text: str) -> None:
+        with self._lock:
+            self._clear_progress()
+            self.out.write(text)
+            self.out.flush()
+
+    def progress(self, text: str) -> None:
+        """Show (or update) a progress note; cleared by the next write on a TTY."""
+        with self._lock:
+            if self.tty:
+                self.out.write("\0337" + text + "\0338")  # save cursor, write, restore: erased by the next write
+                self._progress_shown = True
+            else:
+                self.out.write(text + " ")
+            self.out.flush()
+
+    def _clear_progress(self) -> None:
+        if self._progress_shown:
+            self.out.write("\033[K")  # erase from the cursor to the end of the line
+            self._progress_shown = False
+
+
+def _prefill_progress(console: Console, t0: float) -> Callable[[int, int], None]:
+    def show(done: int, total: int) -> None:
+        elapsed = time.perf_counter() - t0
+        if elapsed >= PROGRESS_AFTER_S:
+            console.progress(f"(prefill {done}/{total} tokens, {100 * done // total}%, {elapsed:.0f} s)")
+
+    return show
+
+
+def _printable(text: str) -> str:
+    """A reply as one line of plain text: newlines and control characters (a model may emit
+    terminal escapes) are shown as spaces."""
+    return "".join(c if c.isprintable() else " " for c in text)
+
+
+def _speak(engine: Engine, console: Console, agent: str, messages: list[dict], max_tokens: int) -> ChatResult:
+    """One agent's turn, streamed to the console."""
+    console.write(f"  {AGENTS_NAMES[agent]} ({agent}): ")
+    t0 = time.perf_counter()
+    stream = engine.stream(f"demo-{agent}", messages, max_tokens=max_tokens, progress=_prefill_progress(console, t0))
+    try:
+        for item in stream:
+            if isinstance(item, ChatResult):
+                return item
+            console.write(_printable(item))
+    finally:
+        stream.close()  # on Ctrl-C: cancels the request at the next model call; its cache is kept
+    raise RuntimeError("generation ended without a result")  # pragma: no cover
 
 
 def run_demo(
     model: str = "embedded",
     cache_dir: Path | None = None,
-    turns: int = 3,
-    max_tokens: int = 40,
+    turns: int = 2,
+    max_tokens: int = 32,
     budget: str | None = None,
     fresh: bool = False,
-) -> dict:
-    """Run the round-table; returns a summary (also printed)."""
+    out: TextIO | None = None,
+) -> dict[str, Any]:
+    """Run the round-table; returns a summary (also printed).
+
+    On Ctrl-C (KeyboardInterrupt) the reply in progress is cancelled, every save is
+    flushed and what is on disk is printed; then the KeyboardInterrupt goes on to the
+    caller (``kvshelf demo`` exits 130 on it, without a traceback).
+    """
+    console = Console(out)
     engine = Engine(model=model, cache_dir=cache_dir, budget=budget)
+    try:
+        return _round_table(engine, console, turns, max_tokens, fresh)
+    except KeyboardInterrupt:
+        _stop(engine, console)
+        raise
+    finally:
+        engine.close()
+
+
+def _stop(engine: Engine, console: Console) -> None:
+    """After Ctrl-C: flush the saves, say what is on disk. A second Ctrl-C quits at once."""
+
+    def now(signum: int, frame: object) -> None:
+        os._exit(130)
+
+    previous = signal.signal(signal.SIGINT, now) if threading.current_thread() is threading.main_thread() else None
+    try:
+        console.write("\n\ninterrupted: stopping the reply in progress and saving (Ctrl-C again to quit now)\n")
+        t0 = time.perf_counter()
+        # The cancelled reply is retired (and its save queued) in the step loop's pass after
+        # the one that answers the first flush; the second waits for that save too.
+        engine.flush()
+        unsaved = set(engine.flush())
+        saved = [a for a in engine.agents() if a.agent_id.startswith("demo-") and a.disk_bytes]
+        for a in saved:
+            mark = "NOT saved (kept in RAM only)" if a.agent_id in unsaved else "saved"
+            console.write(
+                f"  {a.agent_id:<16s} {a.tokens or 0:6d} tokens  {_fmt_bytes(a.disk_bytes)} on disk  {mark}\n"
+            )
+        console.write(
+            f"{len(saved) - len(unsaved)} agents' caches are on disk in {engine.store_dir} "
+            f"(flushed in {time.perf_counter() - t0:.2f} s); run kvshelf demo again to continue\n"
+        )
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
+
+
+def _round_table(engine: Engine, console: Console, turns: int, max_tokens: int, fresh: bool) -> dict[str, Any]:
     state_file = engine.cache_dir / "demo-state.json"
     if fresh:
         for agent in AGENTS:
             engine.forget(f"demo-{agent}")
         state_file.unlink(missing_ok=True)
     state = json.loads(state_file.read_text()) if state_file.exists() else _new_state()
+    state.setdefault("spoken", [])
     histories, unheard = state["histories"], state["unheard"]
     first_turn = state["turn"] + 1
-    print(f"kvshelf demo: {len(AGENTS)} agents on {engine.loaded.name}; caches in {engine.cache_dir}")
-    if first_turn > 1:
-        print(f"continuing the conversation at round {first_turn}: every agent's cache should come back warm from disk")
+    console.write(f"kvshelf demo: {len(AGENTS)} agents on {engine.loaded.name}; caches in {engine.cache_dir}\n")
+    if first_turn > 1 or state["spoken"]:
+        console.write(
+            f"continuing the conversation at round {first_turn}: every agent's cache should come back warm from disk\n"
+        )
     t0 = time.perf_counter()
     counts = {"hot": 0, "warm": 0, "cold": 0}
     ttfts: dict[str, list[float]] = {"hot": [], "warm": [], "cold": []}
     for turn in range(first_turn, first_turn + turns):
+        console.write(f"round {turn}\n")
         for agent in AGENTS:
+            if agent in state["spoken"]:
+                continue  # spoke in this round before an interrupted run stopped
             # Like a framework's agent memory: the agent hears what others said since its
             # last turn, as one user message, and its own replies stay assistant messages.
             heard = unheard[agent] + [f"Round {turn}: what do you say now?"]
-            histories[agent].append({"role": "user", "content": "\n".join(heard)})
-            result = engine.chat(f"demo-{agent}", histories[agent], max_tokens=max_tokens)
+            messages = histories[agent] + [{"role": "user", "content": "\n".join(heard)}]
+            result = _speak(engine, console, agent, messages, max_tokens)
             engine.flush()  # saves are written behind; wait so the disk column is current
-            histories[agent].append({"role": "assistant", "content": result.text})
+            histories[agent][:] = messages + [{"role": "assistant", "content": result.text}]
             unheard[agent] = []
             for other in AGENTS:
                 if other != agent:
                     unheard[other].append(f"{AGENTS_NAMES[agent]} said: {result.text.strip()}")
             info = next(a for a in engine.agents() if a.agent_id == f"demo-{agent}")
-            print(_row(agent, turn, result, info.ram_bytes, info.disk_bytes))
+            console.write(f"\n      {_stats(result, info.ram_bytes, info.disk_bytes)}\n")
             counts[result.cache] += 1
             ttfts[result.cache].append(result.ttft_s)
-        state["turn"] = turn
-        state_file.write_text(json.dumps(state, indent=1))
-    engine.close()
+            state["spoken"].append(agent)
+            _save_state(state_file, state)  # after every reply: an interrupted run resumes here
+        state["turn"], state["spoken"] = turn, []
+        _save_state(state_file, state)
     wall = time.perf_counter() - t0
     medians = {k: sorted(v)[len(v) // 2] for k, v in ttfts.items() if v}
     summary = {"wall_s": wall, "requests": counts, "median_ttft_s": medians}
-    print(f"total wall time {wall:.1f} s; requests by cache source: {counts}")
-    print("median ttft: " + ", ".join(f"{k} {v * 1000:.0f} ms" for k, v in medians.items()))
+    console.write(f"total wall time {wall:.1f} s; requests by cache source: {counts}\n")
+    console.write("median ttft: " + ", ".join(f"{k} {v * 1000:.0f} ms" for k, v in medians.items()) + "\n")
     return summary
+
+
+def _save_state(path: Path, state: dict[str, Any]) -> None:
+    """Atomically: an interrupted write never leaves a conversation that cannot be read."""
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(state, indent=1))
+    os.replace(tmp, path)
 
 
 def _new_state() -> dict:

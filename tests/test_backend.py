@@ -143,3 +143,38 @@ def test_local_and_remote_fill_a_missing_max_tokens_alike(tmp_path_factory):
     for reply in replies:
         assert reply["usage"]["completion_tokens"] == room and reply["choices"][0]["finish_reason"] == "length"
     assert replies[0]["choices"][0]["message"]["content"] == replies[1]["choices"][0]["message"]["content"]
+
+
+def test_every_adapter_reads_the_environment_and_a_remote_one_never_imports_the_engine(backends, tmp_path):
+    """KVSHELF_BASE_URL / KVSHELF_API_KEY reach all three adapters alike (through ``connect``),
+    and a process that only talks to a server never imports the engine or MLX."""
+    from tests.support.subprocesses import run_in_subprocess
+
+    engine = backends[2]
+    server = ServerThread(create_app(engine, api_key="sk-env", close_engine=False))
+    code = f"""
+import json, os, sys
+os.environ.update(KVSHELF_BASE_URL={server.url + "/v1"!r}, KVSHELF_API_KEY="sk-env", HOME={str(tmp_path)!r},
+                  CREWAI_DISABLE_TELEMETRY="true", OTEL_SDK_DISABLED="true", CREWAI_TRACING_ENABLED="false")
+from kvshelf.adapters.autogen import KVShelfChatCompletionClient
+from kvshelf.adapters.crewai import KVShelfLLM
+from kvshelf.adapters.langchain import ChatKVShelf
+import asyncio
+kinds = {{}}
+lc = ChatKVShelf(agent_id="env-lc", max_tokens=4)
+lc.invoke("Hello.")
+kinds["langchain"] = type(lc.backend).__name__
+cw = KVShelfLLM()
+kinds["crewai"] = type(cw.backend).__name__
+ag = KVShelfChatCompletionClient().for_agent("env-ag")
+kinds["autogen"] = type(asyncio.run(ag._backend())).__name__
+loaded = {{"engine": "kvshelf.runtime.engine" in sys.modules, "mlx": "mlx.core" in sys.modules}}
+print(json.dumps({{"kinds": kinds, **loaded}}))
+"""
+    try:
+        out = run_in_subprocess(code)
+    finally:
+        server.stop()
+    assert out["kinds"] == {"langchain": "RemoteBackend", "crewai": "RemoteBackend", "autogen": "RemoteBackend"}
+    assert out["engine"] is False and out["mlx"] is False
+    assert "env-lc" in {a.agent_id for a in engine.agents()}  # the call went to the server, with its key

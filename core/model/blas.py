@@ -22,6 +22,11 @@ OPENBLAS_CANDIDATES = (
 loaded_path: str | None = None
 
 
+def installed_path() -> str | None:
+    """The first OpenBLAS that ``load_openblas`` would load, if one is installed."""
+    return next((p for p in OPENBLAS_CANDIDATES if os.path.exists(p)), None)
+
+
 def load_openblas() -> str | None:
     """Preload OpenBLAS if we are on Linux, it is installed and not disabled."""
     global loaded_path

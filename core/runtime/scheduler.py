@@ -104,6 +104,7 @@ class Request:
     cancelled: bool = False
     background: bool = False  # prefill ahead: lowest priority, superseded by any later request
     until: Callable[[str], int] | None = None  # where the reply is complete (e.g. a JSON object), or -1
+    progress: Callable[[int, int], None] | None = None  # (prompt tokens done, of) after each prefill chunk
     cache: AgentCache | None = None
     restoring: Future | None = None
     planned: bool = False
@@ -236,8 +237,8 @@ class Scheduler:
 
     def _start(self, r: Request) -> None:
         aid = r.agent_id
-        if aid is None:
-            r.cache, r.source = self._shelf.new_cache(), "none"
+        if aid is None:  # never persisted; may start on an anonymous prefix in RAM
+            r.cache, r.source = self._shelf.anonymous_cache(r.prompt), "none"
         elif (cache := self._shelf.lend(aid)) is not None:
             r.cache, r.source = cache, "hot"
         else:  # prefetch: read and verify the record on the I/O thread while others decode
@@ -295,6 +296,8 @@ class Scheduler:
             r.cache.tokens.extend(ids)
             if r.plan:
                 mx.eval(r.cache.arrays())
+                if r.progress is not None:  # a caller showing a long prefill (worker thread: keep it quick)
+                    r.progress(len(r.prompt) - len(r.todo), len(r.prompt))
                 return True
             if r.background:  # its logits are never read: only the cache is computed
                 mx.eval(r.cache.arrays())
@@ -383,7 +386,11 @@ class Scheduler:
         (from the I/O thread, so the step loop never waits on the disk), with ``saved``
         saying whether the record on disk now holds the turn.
         """
-        settled = self._shelf.give_back(r.agent_id, r.cache) if r.agent_id is not None else None
+        settled = None
+        if r.agent_id is not None:
+            settled = self._shelf.give_back(r.agent_id, r.cache)
+        else:
+            self._shelf.keep_anonymous(r.cache)
         if not emit_result:
             return settled
         if len(r.text) > r.emitted:

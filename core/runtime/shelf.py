@@ -39,6 +39,7 @@ from kvshelf.kv.record import CacheRecord, agent_cache_from_record, agent_record
 from kvshelf.kv.schemes import KVScheme
 from kvshelf.kv.shared import SharedPrefix
 from kvshelf.model.spec import ModelCacheSpec
+from kvshelf.runtime.anonymous import AnonymousPrefixes
 from kvshelf.runtime.iothread import IOThread
 from kvshelf.runtime.pool import BlockPool, Resident
 from kvshelf.runtime.results import AgentInfo, AgentPage, ForgetResult, ForkResult
@@ -91,6 +92,8 @@ class Shelf:
         self.store = RecordStore(cache_dir, fingerprint)
         self.shared = SharedPrefixes(cache_dir, fingerprint, spec)
         self.pool = BlockPool(budget)
+        self.anonymous = AnonymousPrefixes()
+        """Requests that name no agent: RAM only, within what the named agents leave of the budget."""
         self.unsaved: set[AgentId] = set()
         """Resident agents whose last save failed: their record on disk is behind."""
         self._lent: set[AgentId] = set()
@@ -106,6 +109,18 @@ class Shelf:
     def new_cache(self) -> AgentCache:
         """An empty cache for this model and KV scheme (a new agent, or one never saved)."""
         return AgentCache.empty(self.spec, self.scheme)
+
+    def anonymous_cache(self, prompt: list[int]) -> AgentCache:
+        """A cache for a request that names no agent: an anonymous one sharing the prompt's
+        first tokens exactly (``kvshelf.runtime.anonymous``), else an empty one."""
+        return self.anonymous.take(prompt) or self.new_cache()
+
+    def keep_anonymous(self, cache: AgentCache | None) -> None:
+        """Take back an anonymous request's cache: kept in RAM for the next prompt that
+        starts with its tokens, never saved, in what room the named agents leave."""
+        if cache is not None:
+            self.anonymous.keep(cache)
+            self.enforce_budget()
 
     def can_lend(self, aid: AgentId) -> bool:
         """False while the agent is lent out or its last save is still being written."""
@@ -248,7 +263,11 @@ class Shelf:
         return aid not in self.unsaved if fut is None else bool(fut.result())
 
     def enforce_budget(self) -> None:
-        """Spill the least recently used agents until the rest fit the byte budget."""
+        """Spill the least recently used agents until the rest fit the byte budget.
+
+        Anonymous prefixes yield first: they shrink to what the named agents leave."""
+        if self.pool.budget is not None:
+            self.anonymous.shrink_to(self.pool.budget - self.pool.resident_bytes - self.pool.working_bytes())
         for victim in map(_resident, self.pool.over_budget_victims()):
             if victim in self._lent:
                 continue

@@ -51,16 +51,21 @@ class Turn:
 
 
 def _agent_id(req: ChatCompletionRequest, header: str | None) -> AgentId | None:
-    """The agent a request names: the header, else the body's ``user``, validated here,
-    once; an ``AgentId`` (an adapter's, already valid) is passed through unchecked."""
-    value, param = (header, "X-Agent-Id") if header is not None else (req.user, "user")
+    """The agent a request names: the ``X-Agent-Id`` header, else the body's
+    ``prompt_cache_key`` (OpenAI's own field for "requests that share a cache", which
+    OpenAI clients can send without extra headers), else its ``user``; validated here,
+    once. An ``AgentId`` (an adapter's, already valid) is passed through unchecked.
+    None: an anonymous request (served from RAM only, see ``kvshelf.runtime.anonymous``)."""
+    sources = ((header, "X-Agent-Id"), (req.prompt_cache_key, "prompt_cache_key"), (req.user, "user"))
+    value, param = next(((v, p) for v, p in sources if v is not None), (None, ""))
     if value is None:
         return None
     try:
         return AgentId(value)
     except InvalidAgentId as exc:
         raise bad_request(
-            f"{exc}. The X-Agent-Id header (or else the body's 'user') names the agent whose cache is used.",
+            f"{exc}. The X-Agent-Id header (else the body's 'prompt_cache_key', else its 'user') "
+            "names the agent whose cache is used.",
             param,
             "invalid_agent_id",
         ) from None
@@ -149,6 +154,22 @@ class ReplyShaper:
         return tail, calls, "tool_calls" if calls else result.finish_reason
 
 
+def log_turn(result: ChatResult) -> None:
+    """One INFO line per answered turn: which agent, where its cache came from, how much of
+    the prompt it covered. What a user of a framework's own OpenAI client reads to see that
+    turn two was warm; it holds counts and the agent id, never prompt text."""
+    u = result.usage
+    log.info(
+        "turn done: agent=%s cache=%s cached=%d/%d completion=%d ttft=%.3fs",
+        result.agent_id or "-",
+        result.cache,
+        u.cached_tokens,
+        u.prompt_tokens,
+        u.completion_tokens,
+        result.ttft_s,
+    )
+
+
 def extension(result: ChatResult) -> dict[str, Any]:
     """kvshelf's own fields, beside OpenAI's: which agent, where its cache came from, and
     (from a durable engine, as ``kvshelf serve`` runs) whether the turn is on disk."""
@@ -169,6 +190,7 @@ def completion(items: list[str | ChatResult], turn: Turn, model: str) -> dict:
     """The body of a non-streamed completion from the engine's items (chunks, then the result)."""
     result = items[-1]
     assert isinstance(result, ChatResult)
+    log_turn(result)
     shaper = ReplyShaper(turn)
     for chunk in [turn.opening, *items[:-1]]:
         shaper.feed(chunk)  # type: ignore[arg-type]
@@ -207,6 +229,7 @@ class ChunkBuilder:
             shown = self.shaper.feed(item)
             return [self._chunk({"content": shown})] if shown else []
         out = []
+        log_turn(item)
         tail, calls, finish = self.shaper.finish(item)
         if tail and (tail.strip() or not calls):
             out.append(self._chunk({"content": tail}))

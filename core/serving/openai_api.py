@@ -121,6 +121,7 @@ class ChatCompletionRequest(BaseModel):
     parallel_tool_calls: bool = True
     response_format: ResponseFormat | None = None
     user: str | None = None
+    prompt_cache_key: str | None = None  # OpenAI's own cache key: kvshelf takes it as the agent id
     n: int = 1
     logprobs: bool | None = None
     top_logprobs: int | None = None
