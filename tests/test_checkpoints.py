@@ -18,6 +18,7 @@ from kvshelf.runtime.boundaries import message_boundaries
 from kvshelf.runtime.engine import Engine
 from kvshelf.runtime.scheduler import forward_plan, prefill_plan
 from tests.support.subprocesses import run_in_subprocess
+from tests.support.tiny import make_tiny_model_dir
 
 SYSTEM = {"role": "system", "content": "You are the manager of a crew of careful researchers. " * 6}
 TASK_ONE = [SYSTEM, {"role": "user", "content": "Task one: " + "describe the sky on each day of the trip. " * 12}]
@@ -114,9 +115,10 @@ def test_a_preamble_prefilled_alone_gets_a_checkpoint_its_forks_resume_from(engi
 def test_checkpoints_are_bounded_counted_and_dropped_when_their_tokens_change(engines):
     warm, _ = engines
     messages = list(TASK_ONE)
-    for turn in range(5):  # a long conversation: the latest turn ends are kept, and the first
+    for turn in range(5):  # a long conversation: the first boundary is kept, and the latest turn end
         reply = warm.chat("talker", messages, max_tokens=12)
-        messages += [{"role": "assistant", "content": reply.text}, {"role": "user", "content": f"Go on ({turn})."}]
+        more = f"Go on ({turn}): " + "and the next day, what was the sky like? " * 16  # past window and slack block
+        messages += [{"role": "assistant", "content": reply.text}, {"role": "user", "content": more}]
     cache = resident(warm, "talker")
     positions = [c.position for c in cache.checkpoints]
     assert len(positions) == MAX_CHECKPOINTS and positions[0] == system_end(warm, TASK_TWO)
@@ -134,6 +136,23 @@ def test_checkpoints_are_bounded_counted_and_dropped_when_their_tokens_change(en
     assert [c.position for c in resident(warm, "talker").checkpoints] == [
         system_end(warm, [{"role": "system", "content": "Other."}, {"role": "user", "content": "Hi."}])
     ]
+
+
+def test_a_turn_end_the_layers_can_still_rewind_to_is_not_kept(tmp_path):
+    """With a 128-token window, short turns stay within reach: only the first boundary is
+    kept; a turn longer than the window keeps its end."""
+    model = make_tiny_model_dir(tmp_path / "m", "gemma3_text", sliding_window=128)
+    with Engine(model, tmp_path / "cache", progress=False) as engine:
+        messages = [SYSTEM, {"role": "user", "content": "Hi."}]
+        reply = engine.chat("short", messages, max_tokens=4)
+        messages += [{"role": "assistant", "content": reply.text}, {"role": "user", "content": "More."}]
+        engine.chat("short", messages, max_tokens=4)
+        assert [c.position for c in resident(engine, "short").checkpoints] == [system_end(engine, TASK_TWO)]
+        long_turn = [*messages[:3], TASK_ONE[1]]  # the newest message alone is longer than the window
+        engine.chat("long", messages[:2], max_tokens=4)
+        engine.chat("long", long_turn, max_tokens=4)
+        kept = [c.position for c in resident(engine, "long").checkpoints]
+        assert len(kept) == 2 and kept[0] == system_end(engine, TASK_TWO) and kept[1] > kept[0]
 
 
 def test_a_model_without_sliding_layers_keeps_no_checkpoints(tiny_dirs, tmp_path):

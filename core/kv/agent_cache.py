@@ -67,6 +67,11 @@ class AgentCache:
             return
         self.checkpoints = ckpt.retained(self.checkpoints, ckpt.take(self.layers))
 
+    def prune_checkpoints(self) -> None:
+        """At the end of a request: keep only the checkpoints still useful (``still_useful``)."""
+        if len(self.checkpoints) > 1:
+            self.checkpoints = ckpt.still_useful(self.checkpoints, self.layers)
+
     def _resume(self, checkpoint: Checkpoint) -> None:
         self.layers = ckpt.resume(self.layers, checkpoint, lambda i: self.scheme.make(self.spec.layers[i]))
 

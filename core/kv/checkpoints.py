@@ -37,8 +37,8 @@ import mlx.core as mx
 from kvshelf.kv.blocks import LayerRows, QTriple, QuantizedLayerCache
 from kvshelf.model.spec import BLOCK_TOKENS
 
-# Per agent: the first boundary (the end of the system prompt) and the latest turn ends.
-MAX_CHECKPOINTS = 3
+# Per agent: the first boundary (the end of the system prompt) and the latest turn end.
+MAX_CHECKPOINTS = 2
 
 
 def _copy(x: mx.array | None) -> mx.array | None:
@@ -163,6 +163,15 @@ def _arrays(checkpoint: Checkpoint) -> list[mx.array]:
             r = c.rows
             out.extend(x for x in (*(r.keys or ()), *(r.values or ()), r.k_tail, r.sink_k, r.sink_v) if x is not None)
     return out
+
+
+def still_useful(checkpoints: list[Checkpoint], layers: list[QuantizedLayerCache]) -> list[Checkpoint]:
+    """The first checkpoint (the end of the system prompt: the window will move past it),
+    and the later ones the layers can no longer rewind to by themselves. A later one the
+    layers still reach is dropped: the next request can only diverge there by rewinding,
+    and any request that goes further takes a newer turn end instead."""
+    first, rest = checkpoints[:1], checkpoints[1:]
+    return first + [c for c in rest if not all(layer.can_rewind_to(c.position) for layer in layers)]
 
 
 def retained(checkpoints: list[Checkpoint], new: Checkpoint) -> list[Checkpoint]:

@@ -396,6 +396,8 @@ class Scheduler:
         (from the I/O thread, so the step loop never waits on the disk), with ``saved``
         saying whether the record on disk now holds the turn.
         """
+        if r.agent_id is not None and r.cache is not None:
+            r.cache.prune_checkpoints()  # the turn is over: only checkpoints still useful stay
         settled = self._shelf.give_back(r.agent_id, r.cache) if r.agent_id is not None else None
         if not emit_result:
             return
