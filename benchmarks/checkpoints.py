@@ -29,6 +29,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 os.environ.setdefault("CREWAI_DISABLE_TELEMETRY", "true")
 os.environ.setdefault("OTEL_SDK_DISABLED", "true")
@@ -45,13 +46,13 @@ def loadavg() -> str:
 
 
 # -- the crew ---------------------------------------------------------------------------------
-def run_crew(cache_dir: str, max_tokens: int) -> dict:
+def run_crew(cache_dir: str, max_tokens: int, model: str = "embedded") -> dict:
     """One kickoff of the hierarchical crew; the manager's calls per task."""
     from crewai import Agent, Crew, Process, Task
 
     from kvshelf.adapters.crewai import KVShelfLLM
 
-    llm = KVShelfLLM(cache_dir=cache_dir, max_tokens=max_tokens)
+    llm = KVShelfLLM(model=model, cache_dir=cache_dir, max_tokens=max_tokens)
     researcher = Agent(
         role="Researcher",
         goal="Find facts about KV caches.",
@@ -96,7 +97,7 @@ def run_crew(cache_dir: str, max_tokens: int) -> dict:
     manager_id = llm.agent_id_for(manager)
     engine = llm.backend.engine  # type: ignore[attr-defined]
     turns = [t for t in llm.turns if t["agent_id"] == manager_id]
-    firsts = {}
+    firsts: dict[str, dict[str, Any]] = {}
     for t in turns:
         firsts.setdefault(str(t["task"]), t)
     cache = engine._shelf.pool.get(manager_id)
@@ -120,9 +121,9 @@ def run_crew(cache_dir: str, max_tokens: int) -> dict:
 def crew_main(args: argparse.Namespace) -> None:
     cache_dir = args.cache_dir or tempfile.mkdtemp(prefix="kvshelf-crew-")
     start = loadavg()
-    first = run_crew(cache_dir, args.max_tokens)
+    first = run_crew(cache_dir, args.max_tokens, args.model)
     code = f"import json, sys; sys.argv=['x']; sys.path.insert(0, {str(Path(__file__).parent)!r}); "
-    code += f"import checkpoints as c; print(json.dumps(c.run_crew({cache_dir!r}, {args.max_tokens})))"
+    code += f"import checkpoints as c; print(json.dumps(c.run_crew({cache_dir!r}, {args.max_tokens}, {args.model!r})))"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=1800)
     if proc.returncode:
         raise SystemExit(proc.stderr[-4000:])
@@ -142,7 +143,7 @@ def bytes_main(args: argparse.Namespace) -> None:
     from kvshelf.storage.codec import encode
 
     spec = load("embedded", progress=False).spec
-    rows = []
+    rows: list[dict[str, Any]] = []
     scenarios = {"short last turn": 200, "last turn longer than the window": 1500}
     for total, (scenario, last_turn) in [(t, s) for t in (4096, 16384) for s in scenarios.items()]:
         boundaries = {600, total - last_turn}  # the end of the system text, of the last complete turn
@@ -196,6 +197,7 @@ def main() -> None:
     crew = sub.add_parser("crew")
     crew.add_argument("--cache-dir")
     crew.add_argument("--max-tokens", type=int, default=48)
+    crew.add_argument("--model", default="embedded")
     sub.add_parser("bytes")
     args = parser.parse_args()
     crew_main(args) if args.what == "crew" else bytes_main(args)
