@@ -21,10 +21,12 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import hashlib
 import json
 import logging
 import re
 import threading
+import warnings
 from collections import deque
 from collections.abc import AsyncGenerator, Mapping, Sequence
 from dataclasses import dataclass
@@ -319,6 +321,59 @@ def runtime_agent_name(agent_type: str, key: str) -> str:
     return agent_type if key in ("default", "") else f"{agent_type}:{key}"
 
 
+class SameNameGuard:
+    """Warns, once per agent id, when two different AutoGen agents end up on one cache.
+
+    Team members are keyed by name alone (``runtime_agent_name``), so the next run of a
+    program, with new team uuids, finds each agent's cache. The price: two *different*
+    agents with one name in one process (two live teams that both have an ``alice``, or
+    an ``alice`` whose system message differs) share a cache and evict each other's
+    history. Answers stay correct (prefix reuse keeps only what matches), so this is a
+    warning, given as soon as the evidence is certain: a second system text for the id,
+    or a team coming back to the id after another team used it (so both are alive). A
+    team that simply replaces the last one (a loop that builds a new team per task)
+    never warns. The uuids change every run, so they cannot become stable ids; the
+    warning names the two ways to keep such agents apart.
+    """
+
+    TEAMS_KEPT = 16  # the most recent teams remembered per id (a loop of teams stays bounded)
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._system: dict[tuple[Any, ...], str] = {}  # digest of the first system text seen
+        self._teams: dict[tuple[Any, ...], dict[str, None]] = {}  # recent teams, the last one last
+        self._warned: set[tuple[Any, ...]] = set()
+
+    def check(self, scope: tuple[Any, ...], agent_id: AgentId, team: str, system: str) -> None:
+        key = (*scope, agent_id)
+        digest = hashlib.blake2b(system.encode("utf-8", "surrogatepass"), digest_size=8).hexdigest()
+        with self._lock:
+            teams = self._teams.setdefault(key, {})
+            reason = None
+            if self._system.setdefault(key, digest) != digest:
+                reason = "with different system messages"
+            elif teams and team != next(reversed(teams)) and team in teams:
+                reason = "in two teams at once"
+            teams.pop(team, None)
+            teams[team] = None
+            if len(teams) > self.TEAMS_KEPT:
+                del teams[next(iter(teams))]
+            if reason is None or key in self._warned:
+                return
+            self._warned.add(key)
+        warnings.warn(
+            f"two different AutoGen agents {reason} share the kvshelf cache {agent_id!r} in this process, so "
+            "they evict each other's history (answers stay correct, but are recomputed). Give each team its own "
+            "client with agent_prefix (KVShelfChatCompletionClient(agent_prefix='team-a.')), or bind each agent "
+            "with client.for_agent(name).",
+            UserWarning,
+            stacklevel=4,
+        )
+
+
+_SAME_NAMES = SameNameGuard()
+
+
 # -- the client --------------------------------------------------------------------------------
 class KVShelfChatCompletionClient(ChatCompletionClient, Component[KVShelfClientConfig]):
     """An AutoGen model client whose every agent keeps its own persistent KV cache.
@@ -349,9 +404,11 @@ class KVShelfChatCompletionClient(ChatCompletionClient, Component[KVShelfClientC
        is set whenever an agent runs inside a team or runtime. AgentChat names team
        members ``<name>_<team uuid>``, a new uuid per team instance; the suffix is
        stripped (``runtime_agent_name``) so the same agent restores its cache from disk
-       in the next run of the program. Two agents with the same name in one process
-       share a cache id (prefix reuse keeps that correct, just slower); give each
-       team an ``agent_prefix`` or use ``for_agent`` to keep them apart;
+       in the next run of the program. Two different agents with the same name in one
+       process (two live teams, or different system messages) share a cache id:
+       prefix reuse keeps that correct, just slower, and the client warns once per id
+       (``SameNameGuard``); give each team's client an ``agent_prefix`` or use
+       ``for_agent`` to keep them apart;
     3. otherwise (a bare ``create`` call outside any runtime) a hash of the system
        text: ``fallback_key`` -> ``"anon-<hash>"``. Calls with the same system
        message share a cache, which is stable across restarts.
@@ -485,7 +542,11 @@ class KVShelfChatCompletionClient(ChatCompletionClient, Component[KVShelfClientC
             runtime_id = MessageHandlerContext.agent_id()
         except RuntimeError:
             return fallback_key(messages, prefix=f"{prefix}anon-")
-        return agent_key(runtime_agent_name(runtime_id.type, runtime_id.key), prefix)
+        agent_id = agent_key(runtime_agent_name(runtime_id.type, runtime_id.key), prefix)
+        system = next((str(m.get("content") or "") for m in messages if m.get("role") == "system"), "")
+        scope = (self._config.model, self._config.base_url, self._config.cache_dir, id(self._shared.engine))
+        _SAME_NAMES.check(scope, agent_id, f"{runtime_id.type}/{runtime_id.key}", system)
+        return agent_id
 
     # -- requests --------------------------------------------------------------------------
     def request_body(

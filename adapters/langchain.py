@@ -16,7 +16,6 @@ JSON mode into the prompt and parses tool calls out of the reply.
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from operator import itemgetter
@@ -44,7 +43,7 @@ from langchain_core.utils.pydantic import TypeBaseModel, is_basemodel_subclass
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, SecretStr
 
 from kvshelf.adapters.backend import Backend, connect
-from kvshelf.adapters.identity import agent_key, fallback_key
+from kvshelf.adapters.identity import agent_key, fallback_key, scoped_key, sorted_tools
 from kvshelf.runtime.params import GenerationParams
 from kvshelf.storage.agent_id import AgentId
 
@@ -80,13 +79,22 @@ class ChatKVShelf(BaseChatModel):
 
     1. a bound or instance id: ``model.bind(agent_id="alice")`` (or ``invoke(...,
        agent_id=...)``), else the ``agent_id`` field;
-    2. the run's metadata as LangChain passes it to this call (``run_manager.metadata``,
-       from ``config={"metadata": {...}}``): ``agent_id``, then ``lc_agent_name``;
-    3. the ambient runnable config (``ensure_config()["metadata"]``, which is what a
-       ``.stream()`` call or a LangGraph node sees): ``agent_id``, then
-       ``lc_agent_name``, which ``langchain.agents.create_agent(..., name="alice")`` sets;
-    4. a stable fallback, ``anon-<hash of the system text and the tools>``: calls that
+    2. the run's metadata: the ``agent_id`` and ``lc_agent_name`` (which
+       ``langchain.agents.create_agent(..., name="alice")`` sets) of the metadata
+       LangChain passes to this call (``run_manager.metadata``, from
+       ``config={"metadata": {...}}``), else of the ambient runnable config
+       (``ensure_config()["metadata"]``, which a ``.stream()`` call or a LangGraph node
+       sees). With both, the name is scoped under the id: ``invoke(..., {"metadata":
+       {"agent_id": "user-42"}})`` on a graph gives its ``researcher`` agent the id
+       ``user-42.researcher`` and its ``writer`` ``user-42.writer``, so a caller-wide id
+       never merges a graph's agents into one cache. With one of them, that one;
+    3. a stable fallback, ``anon-<hash of the system text and the tools>``, the same in
+       every process: the tools are sorted by name, for the key and for the prompt, so an
+       order that changes from run to run (``langgraph-supervisor`` builds its handoff
+       tools from a ``set``) finds the same cache and the same cached tokens. Calls that
        share a system prompt and tools share a cache, and keep it across restarts.
+       Two *unnamed* agents with the same system prompt and tools thus share one cache
+       (answers stay correct, but each evicts the other's history): give them names.
 
     Names go through ``kvshelf.adapters.identity.agent_key``: a valid id is kept as it is
     ("alice"), any other name becomes a readable slug plus a hash of the exact name. The id
@@ -180,20 +188,18 @@ class ChatKVShelf(BaseChatModel):
         return self._backend
 
     # -- requests ------------------------------------------------------------------------
-    def _resolve_agent(
-        self, messages: list[dict], kwargs: Mapping[str, Any], run_metadata: Mapping[str, Any] | None
-    ) -> AgentId:
+    def _named_agent(self, kwargs: Mapping[str, Any], run_metadata: Mapping[str, Any] | None) -> AgentId | None:
+        """The agent a call names (steps 1 and 2 of the resolution order), None if none."""
         if (bound := kwargs.get("agent_id") or self.agent_id) is not None:
             return agent_key(str(bound))
         sources = (run_metadata or {}, kwargs.get(_RUN_METADATA) or {}, ensure_config().get("metadata") or {})
-        for metadata in sources:
-            for key in _METADATA_KEYS:
-                if value := metadata.get(key):
-                    return agent_key(str(value))
-        tools = kwargs.get("tools")
-        return fallback_key(
-            [*messages, {"role": "system", "content": json.dumps(tools, sort_keys=True)}] if tools else messages
-        )
+        found = {key: _first(sources, key) for key in _METADATA_KEYS}
+        scope, name = found["agent_id"], found["lc_agent_name"]
+        if scope is not None and name is not None:
+            return scoped_key(scope, name)  # a caller-wide id never merges a graph's agents
+        if (value := scope or name) is not None:
+            return agent_key(value)
+        return None
 
     def _request(
         self,
@@ -214,8 +220,12 @@ class ChatKVShelf(BaseChatModel):
         }
         body.update({k: kwargs[k] for k in _BODY_KWARGS if k in kwargs})
         body = {k: v for k, v in body.items() if v is not None}
-        run_metadata = getattr(run_manager, "metadata", None)
-        return self._resolve_agent(openai_messages, kwargs, run_metadata), body
+        named = self._named_agent(kwargs, getattr(run_manager, "metadata", None))
+        if named is not None:
+            return named, body
+        if body.get("tools"):  # keyed by content: canonical content (langgraph-supervisor's tools come from a set)
+            body["tools"] = sorted_tools(body["tools"])
+        return fallback_key(openai_messages, tools=body.get("tools")), body
 
     def _generate(
         self,
@@ -404,6 +414,14 @@ def _json_parser(schema: object) -> Runnable:
 
 
 # -- conversions -------------------------------------------------------------------------
+def _first(sources: Sequence[Mapping[str, Any]], key: str) -> str | None:
+    """``key``'s value in the first metadata that has one (the call's own before the ambient)."""
+    for metadata in sources:
+        if value := metadata.get(key):
+            return str(value)
+    return None
+
+
 def _with_run_metadata(config: RunnableConfig | None, kwargs: dict[str, Any]) -> dict[str, Any]:
     metadata = ensure_config(config).get("metadata") or {}
     identity = {k: metadata[k] for k in _METADATA_KEYS if metadata.get(k)}

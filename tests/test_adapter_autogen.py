@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -154,6 +155,56 @@ async def test_team_members_are_keyed_by_name_across_team_instances(tiny, mode):
     assert [t.agent_id for t in again[:2]] == [f"{mode}-team-ann", f"{mode}-team-ben"]
     assert all(t.cached_tokens > 0 for t in again[:2])  # system + task reused from their caches
     await client.close()
+
+
+def alice_team(client: KVShelfChatCompletionClient, system: str) -> RoundRobinGroupChat:
+    return RoundRobinGroupChat([AssistantAgent("alice", model_client=client, system_message=system)], max_turns=1)
+
+
+def same_name_warnings(record: list[warnings.WarningMessage]) -> list[str]:
+    return [str(w.message) for w in record if "share the kvshelf cache" in str(w.message)]
+
+
+@pytest.mark.asyncio
+async def test_same_name_agents_of_two_teams_get_one_warning_naming_agent_prefix(tiny):
+    client = make_client(tiny, "local", agent_prefix="clash-")
+    sales, support = alice_team(client, "You sell bikes."), alice_team(client, "You fix bikes.")
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        await sales.run(task="Hello.")
+        assert same_name_warnings(record) == []
+        await support.run(task="Hello.")  # another alice, another system text: the same id
+        await sales.run(task="Again.")
+        await support.run(task="Again.")
+    assert [t.agent_id for t in client.turns] == ["clash-alice"] * 4  # before: one cache for both
+    (message,) = same_name_warnings(record)  # once, however often they clash
+    assert "'clash-alice'" in message and "agent_prefix" in message and "for_agent" in message
+
+    # the remedy it names: a client per team with its own prefix keeps them apart, silently
+    a, b = make_client(tiny, "local", agent_prefix="sales."), make_client(tiny, "local", agent_prefix="support.")
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        for team in (alice_team(a, "You sell bikes."), alice_team(b, "You fix bikes.")):
+            await team.run(task="Hello.")
+    assert same_name_warnings(record) == []
+    assert [t.agent_id for t in (*a.turns, *b.turns)] == ["sales.alice", "support.alice"]
+
+
+@pytest.mark.asyncio
+async def test_two_live_teams_with_the_same_agents_warn_and_a_new_team_per_task_does_not(tiny):
+    client = make_client(tiny, "local", agent_prefix="loop-")
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        for task in ("One.", "Two.", "Three."):  # a new team per task: the same agent, run after run
+            await alice_team(client, "You sell bikes.").run(task=task)
+        assert same_name_warnings(record) == []
+        first, second = alice_team(client, "You sell bikes."), alice_team(client, "You sell bikes.")
+        await first.run(task="One.")
+        await second.run(task="Two.")
+        assert same_name_warnings(record) == []  # could still be a replacement
+        await first.run(task="Three.")  # the first team is back: both are alive
+    (message,) = same_name_warnings(record)
+    assert "two teams at once" in message and "'loop-alice'" in message
 
 
 @pytest.mark.asyncio

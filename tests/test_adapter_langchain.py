@@ -24,6 +24,7 @@ from kvshelf.runtime.engine import Engine
 from kvshelf.serving.server import create_app
 from tests.support.langchain_env import offline_langchain_env
 from tests.support.servers import ServerThread
+from tests.support.subprocesses import run_in_subprocess
 
 SYSTEM = "You are a member of a small research team. Answer in one short sentence."
 QUESTION = "What is a cache?"
@@ -163,9 +164,10 @@ def test_identity_bound_and_instance_ids_come_first(tiny):
 def test_identity_from_run_metadata_in_invoke_and_stream(tiny):
     llm = ChatKVShelf(engine=tiny, max_tokens=1)
     both: RunnableConfig = {"metadata": {"lc_agent_name": "named", "agent_id": "meta"}}
-    assert who(llm.invoke(MESSAGES, config=both)) == "meta"  # agent_id before lc_agent_name
+    assert who(llm.invoke(MESSAGES, config=both)) == "meta.named"  # the name scoped under the id
     assert who(llm.invoke(MESSAGES, config={"metadata": {"lc_agent_name": "named"}})) == "named"
-    assert who(list(llm.stream(MESSAGES, config=both))[-1]) == "meta"  # stream() gives _stream no run manager
+    assert who(llm.invoke(MESSAGES, config={"metadata": {"agent_id": "meta"}})) == "meta"
+    assert who(list(llm.stream(MESSAGES, config=both))[-1]) == "meta.named"  # stream() gives _stream no run manager
     # the call's own metadata beats what surrounds it
 
     def inner(messages: list[BaseMessage]) -> AIMessage:
@@ -184,15 +186,15 @@ def test_identity_from_the_ambient_config(tiny):
     around = RunnableLambda(direct)
     assert who(around.invoke(MESSAGES, config={"metadata": {"lc_agent_name": "amb-name"}})) == "amb-name"
     both: RunnableConfig = {"metadata": {"lc_agent_name": "amb-name", "agent_id": "amb-id"}}
-    assert who(around.invoke(MESSAGES, config=both)) == "amb-id"
+    assert who(around.invoke(MESSAGES, config=both)) == "amb-id.amb-name"
 
 
 def test_identity_from_create_agent_names(tiny):
     llm = ChatKVShelf(engine=tiny, max_tokens=1)
     carol = create_agent(llm, system_prompt="You are terse.", name="carol")
     assert who(carol.invoke({"messages": [HumanMessage("Hi")]})["messages"][-1]) == "carol"
-    picked = carol.invoke({"messages": [HumanMessage("Hi")]}, config={"metadata": {"agent_id": "carol-2"}})
-    assert who(picked["messages"][-1]) == "carol-2"  # agent_id before lc_agent_name
+    picked = carol.invoke({"messages": [HumanMessage("Hi")]}, config={"metadata": {"agent_id": "user-42"}})
+    assert who(picked["messages"][-1]) == "user-42.carol"  # the agent's name scoped under the caller's id
     analyst = create_agent(llm, name="Research Analyst")  # not a valid id: slug plus a hash
     reply = analyst.invoke({"messages": [HumanMessage("Hi")]})["messages"][-1]
     assert who(reply) == agent_key("Research Analyst") and who(reply).startswith("Research-Analyst-")
@@ -205,6 +207,99 @@ def test_identity_falls_back_to_the_system_text_and_tools(tiny):
     assert who(llm.invoke([SystemMessage("You are terse."), HumanMessage("Other question")])) == first  # stable
     assert who(llm.invoke([SystemMessage("You are verbose."), HumanMessage("Hi")])) != first
     assert who(llm.bind_tools([get_weather]).invoke(MESSAGES)) not in (first, None)
+
+
+@tool
+def get_time(city: str = "Paris") -> str:
+    """Get the local time in a city."""
+    return f"It is noon in {city}."
+
+
+def test_fallback_key_and_prompt_do_not_depend_on_the_order_of_the_tools(tiny):
+    llm = ChatKVShelf(engine=tiny, max_tokens=1)
+    one = llm.bind_tools([get_weather, get_time]).invoke(MESSAGES)
+    other = llm.bind_tools([get_time, get_weather]).invoke(MESSAGES)
+    assert who(one) == who(other) and who(one).startswith("anon-")
+    # the same canonical prompt, too: the second call reads all of it but the last token from the cache
+    assert other.usage_metadata is not None and one.usage_metadata is not None
+    assert other.usage_metadata["input_tokens"] == one.usage_metadata["input_tokens"]
+    assert cached(other) == other.usage_metadata["input_tokens"] - 1
+    # a named agent's tools stay in the order given
+    assert who(llm.bind_tools([get_time, get_weather]).invoke(MESSAGES, agent_id="ordered")) == "ordered"
+
+
+def test_a_caller_wide_agent_id_is_scoped_per_agent_of_a_graph(tiny):
+    """``metadata.agent_id`` given for a whole LangGraph run: each agent keeps a cache of its own."""
+    from langgraph.graph import END, START, MessagesState, StateGraph
+
+    llm = ChatKVShelf(engine=tiny, max_tokens=2)
+    graph = StateGraph(MessagesState)
+    graph.add_node("researcher", create_agent(llm, system_prompt="You research.", name="researcher"))
+    graph.add_node("writer", create_agent(llm, system_prompt="You write.", name="writer"))
+    graph.add_edge(START, "researcher")
+    graph.add_edge("researcher", "writer")
+    graph.add_edge("writer", END)
+    app = graph.compile()
+    config: RunnableConfig = {"metadata": {"agent_id": "user-42"}}
+    out = app.invoke({"messages": [HumanMessage("Write about caches.")]}, config=config)["messages"]
+    replies = [m for m in out if isinstance(m, AIMessage)]
+    assert [who(m) for m in replies] == ["user-42.researcher", "user-42.writer"]
+    assert {"user-42.researcher", "user-42.writer"} <= {a.agent_id for a in tiny.agents()}
+    # the next run with the same caller id: each agent reads its own cache, none evicts the other
+    again = app.invoke({"messages": [HumanMessage("Write about caches.")]}, config=config)["messages"]
+    assert [ext(m)["cache"] for m in again if isinstance(m, AIMessage)] == ["hot", "hot"]
+    assert all(cached(m) > 0 for m in again if isinstance(m, AIMessage))
+
+
+def test_unnamed_agents_with_one_system_prompt_share_a_cache_and_stay_correct(tiny):
+    """Documented: two unnamed agents with the same system text and tools share one
+    ``anon-`` cache. Each evicts the other's history, but every answer is what a fresh
+    computation gives."""
+    llm = ChatKVShelf(engine=tiny, max_tokens=4)
+    first, second = create_agent(llm, system_prompt="You are terse."), create_agent(llm, system_prompt="You are terse.")
+    questions = ["What is a cache?", "Name a colour.", "What is a cache? Say more."]
+    for agent, question in zip((first, second, first), questions):
+        reply = agent.invoke({"messages": [HumanMessage(question)]})["messages"][-1]
+        assert who(reply) == fallback_key([{"role": "system", "content": "You are terse."}])
+        fresh = tiny.chat(
+            None, [{"role": "system", "content": "You are terse."}, {"role": "user", "content": question}], max_tokens=4
+        )
+        assert reply.text == fresh.text
+
+
+SUPERVISOR = """
+import json
+import kvshelf
+from langchain.agents import create_agent
+from langchain_core.messages import HumanMessage
+from langgraph_supervisor import create_supervisor
+from kvshelf.adapters.langchain import ChatKVShelf
+from kvshelf.runtime.engine import Engine
+
+engine = Engine({model!r}, {cache!r}, progress=False)
+llm = ChatKVShelf(engine=engine, max_tokens=1)
+names = ["researcher", "writer", "critic", "planner", "coder"]
+agents = [create_agent(llm, system_prompt=f"You are the {{n}}.", name=n) for n in names]
+app = create_supervisor(agents, model=llm, prompt="You manage a team.").compile()
+reply = app.invoke({{"messages": [HumanMessage("Write a report.")]}})["messages"][-1]
+meta, usage = reply.response_metadata["kvshelf"], reply.usage_metadata
+engine.close()
+print(json.dumps({{"agent_id": meta["agent_id"], "cache": meta["cache"], "prompt": usage["input_tokens"],
+    "cached": usage["input_token_details"]["cache_read"], "set_order": list(set(names))}}))
+"""
+
+
+def test_langgraph_supervisor_keeps_one_id_across_processes(tiny_dirs, tmp_path):
+    """The supervisor names no agent and offers handoff tools in ``set`` order, which
+    follows ``PYTHONHASHSEED``: it still gets one id, and a second process reads its cache."""
+    code = SUPERVISOR.format(model=str(tiny_dirs["gemma3_text"]), cache=str(tmp_path))
+    runs = [run_in_subprocess(code, env={"PYTHONHASHSEED": str(seed)}) for seed in (1, 2, 3)]
+    assert len({tuple(r["set_order"]) for r in runs}) > 1  # the tools really came in other orders
+    assert len({r["agent_id"] for r in runs}) == 1 and runs[0]["agent_id"].startswith("anon-")
+    assert runs[0]["cache"] == "cold"
+    for later in runs[1:]:
+        assert later["cache"] == "warm" and later["cached"] == later["prompt"] - 1
+    assert len(list(tmp_path.rglob("anon-*.safetensors"))) == 1  # no orphan records
 
 
 # -- the default in-process engine and a restart ----------------------------------------------

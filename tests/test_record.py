@@ -53,7 +53,7 @@ def copy(record: CacheRecord, **meta) -> CacheRecord:
 
 def test_an_agent_record_keeps_the_names_and_header_of_format_1(forked):
     cache = forked._shelf.pool.get("alone")
-    record = agent_record(cache)
+    record = without_checkpoints(agent_record(cache))
     assert record.tokens == cache.tokens
     assert set(record.meta) == {"scheme", "spec", "layers"}
     assert record.meta["scheme"] == SCHEME and record.meta["spec"] == forked.loaded.spec.to_json()
@@ -70,9 +70,72 @@ def test_an_agent_record_keeps_the_names_and_header_of_format_1(forked):
     assert record.tensors["l0.sink.k"].shape[2] == 4 and record.tensors["l0.sink.k"].dtype == mx.float16
 
 
+def without_checkpoints(record: CacheRecord) -> CacheRecord:
+    """The record as written before boundary checkpoints existed."""
+    tensors = {n: x for n, x in record.tensors.items() if not n.startswith("c")}
+    return CacheRecord(list(record.tokens), tensors, {k: v for k, v in record.meta.items() if k != "checkpoints"})
+
+
+def test_checkpoints_are_named_and_described_as_pinned_here(forked):
+    """A boundary checkpoint at the end of the system text, as the header says."""
+    cache = forked._shelf.pool.get("alone")
+    record = agent_record(cache)
+    (checkpoint,) = cache.checkpoints
+    listed = json.loads(record.meta["checkpoints"])
+    spec = forked.loaded.spec
+    layers: list[dict[str, int] | None] = []
+    expected = set()
+    for i, (layer, saved) in enumerate(zip(spec.layers, checkpoint.layers)):
+        if layer.window is None:
+            assert saved is not None and saved.start is None  # a full layer: its fp16 key tail
+            layers.append(None)
+            expected.add(f"c0.l{i}.k.tail")
+            continue
+        assert saved is not None and saved.start is not None and saved.origin is not None
+        layers.append({"start": saved.start, "origin": saved.origin})
+        expected |= {f"c0.l{i}.{part}.{n}" for part in "kv" for n in "wsb"}
+        expected |= {f"c0.l{i}.k.tail", f"c0.l{i}.sink.k", f"c0.l{i}.sink.v"}
+    assert listed == [{"tokens": checkpoint.position, "layers": layers}]
+    assert {n for n in record.tensors if n.startswith("c")} == expected
+    assert record.tensors[f"c0.l{layers.index(None)}.k.tail"].shape[2] == checkpoint.position % 256
+
+
+def test_a_record_from_before_checkpoints_loads_and_one_with_them_comes_back_whole(forked):
+    cache = forked._shelf.pool.get("alone")
+    record = agent_record(cache)
+    old = agent_cache_from_record(forked.loaded.spec, without_checkpoints(record), None)
+    assert old.tokens == cache.tokens and old.checkpoints == []
+    back = agent_cache_from_record(forked.loaded.spec, record, None)
+    assert [c.position for c in back.checkpoints] == [c.position for c in cache.checkpoints]
+    assert back.checkpoint_bytes == cache.checkpoint_bytes > 0
+
+
+def test_checkpoints_that_do_not_fit_are_refused(forked):
+    record = agent_record(forked._shelf.pool.get("alone"))
+    spec = forked.loaded.spec
+    listed = json.loads(record.meta["checkpoints"])
+    sliding = next(i for i, layer in enumerate(spec.layers) if layer.window is not None)
+
+    def refused(changed: CacheRecord, match: str) -> None:
+        with pytest.raises(ValueError, match=match):
+            agent_cache_from_record(spec, changed, None)
+
+    refused(copy(record, checkpoints="not json"), "checkpoints are unreadable")
+    beyond = [{**listed[0], "tokens": len(record.tokens) + 1}]
+    refused(copy(record, checkpoints=json.dumps(beyond)), "within the record's tokens")
+    refused(copy(record, checkpoints=json.dumps([{**listed[0], "layers": listed[0]["layers"][:-1]}])), "layer count")
+    moved = json.loads(record.meta["checkpoints"])
+    moved[0]["layers"][sliding]["start"] += 1
+    refused(copy(record, checkpoints=json.dumps(moved)), "does not start on a block")
+    short = copy(record)
+    for n in ("k.w", "k.s", "k.b", "v.w", "v.s", "v.b"):
+        short.tensors[f"c0.l{sliding}.{n}"] = record.tensors[f"c0.l{sliding}.{n}"][..., 1:, :]
+    refused(short, "holds")
+
+
 def test_a_fork_record_names_its_prefix_and_the_prefix_record_keeps_its_format(forked):
     cache = forked._shelf.pool.get("fork")
-    record = agent_record(cache)
+    record = without_checkpoints(agent_record(cache))
     prefix = cache.shared
     assert prefix is not None and record.meta["shared_prefix"] == prefix.id == shared_prefix_id(record)
     assert set(record.meta) == {"scheme", "spec", "layers", "shared_prefix"}

@@ -1,9 +1,11 @@
 """One agent's attention state: a quantized cache per layer plus the token ids it holds.
 
 The token ids are the key to prefix reuse: a new prompt is matched against them
-token by token, and the cache is cut back to the common prefix (or rebuilt when a
-sliding-window layer cannot rewind that far). They include the tokens the model
-generated, so a growing conversation only prefills what is new.
+token by token, and the cache is cut back to the common prefix. Where a sliding-window
+layer cannot rewind that far, the cache resumes from its latest boundary checkpoint
+within the common prefix (``kvshelf.kv.checkpoints``), else it is rebuilt. The ids
+include the tokens the model generated, so a growing conversation only prefills what
+is new.
 """
 
 from __future__ import annotations
@@ -12,7 +14,9 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
+from kvshelf.kv import checkpoints as ckpt
 from kvshelf.kv.blocks import QTriple, QuantizedLayerCache, SharedLayer
+from kvshelf.kv.checkpoints import Checkpoint
 from kvshelf.kv.schemes import DEFAULT_SCHEME, SCHEMES, KVScheme
 from kvshelf.kv.shared import SharedPrefix, prefix_id
 from kvshelf.model.spec import BLOCK_TOKENS, ModelCacheSpec
@@ -35,6 +39,7 @@ class AgentCache:
     layers: list[QuantizedLayerCache] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)
     shared: SharedPrefix | None = None  # the prefix its layers start on, if forked
+    checkpoints: list[Checkpoint] = field(default_factory=list)  # by position; see kvshelf.kv.checkpoints
 
     @classmethod
     def empty(cls, spec: ModelCacheSpec, scheme: KVScheme | None = None) -> AgentCache:
@@ -43,8 +48,32 @@ class AgentCache:
 
     @property
     def nbytes(self) -> int:
-        """Bytes this agent holds alone; its shared prefix (``shared.nbytes``) is extra."""
-        return sum(c.nbytes for c in self.layers)
+        """Bytes this agent holds alone, checkpoints included; its shared prefix
+        (``shared.nbytes``) is extra."""
+        return sum(c.nbytes for c in self.layers) + self.checkpoint_bytes
+
+    @property
+    def checkpoint_bytes(self) -> int:
+        return sum(c.nbytes for c in self.checkpoints)
+
+    # -- boundary checkpoints ----------------------------------------------------------
+    def checkpoint(self) -> None:
+        """Keep the layers' state here, at a message boundary the prefill just reached, so
+        a later conversation that shares the tokens so far can resume from it once the
+        sliding windows have moved on. Nothing to keep for a model without sliding layers."""
+        if not self.tokens or not ckpt.needs_checkpoints(self.layers):
+            return
+        if any(c.position == len(self.tokens) for c in self.checkpoints):
+            return
+        self.checkpoints = ckpt.retained(self.checkpoints, ckpt.take(self.layers))
+
+    def prune_checkpoints(self) -> None:
+        """At the end of a request: keep only the checkpoints still useful (``still_useful``)."""
+        if len(self.checkpoints) > 1:
+            self.checkpoints = ckpt.still_useful(self.checkpoints, self.layers)
+
+    def _resume(self, checkpoint: Checkpoint) -> None:
+        self.layers = ckpt.resume(self.layers, checkpoint, lambda i: self.scheme.make(self.spec.layers[i]))
 
     # -- forks ------------------------------------------------------------------------
     def share_prefix(self) -> SharedPrefix | None:
@@ -89,7 +118,8 @@ class AgentCache:
 
     def fork(self) -> AgentCache:
         """A copy that shares every block with this one; either side's writes stay its own."""
-        return AgentCache(self.spec, self.scheme, [c.clone() for c in self.layers], list(self.tokens), self.shared)
+        layers = [c.clone() for c in self.layers]
+        return AgentCache(self.spec, self.scheme, layers, list(self.tokens), self.shared, list(self.checkpoints))
 
     def drop_unused_share(self) -> None:
         """Forget the shared prefix once no layer starts on it any more."""
@@ -104,9 +134,13 @@ class AgentCache:
         """
         keep = min(common_prefix_length(self.tokens, prompt), len(prompt) - 1)
         if keep < len(self.tokens):
+            self.checkpoints = [c for c in self.checkpoints if c.position <= keep]  # the rest saw other tokens
             if all(c.can_rewind_to(keep) for c in self.layers):
                 for c in self.layers:
                     c.rewind_to(keep)
+            elif self.checkpoints:  # a sliding window has moved past ``keep``: the nearest boundary before it
+                self._resume(self.checkpoints[-1])
+                keep = self.checkpoints[-1].position
             else:
                 self.layers = [self.scheme.make(layer) for layer in self.spec.layers]
                 keep = 0

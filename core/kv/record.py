@@ -15,7 +15,14 @@ Agent record (``agent_record``), per layer ``i`` of the model:
   (per-channel keys' partial block, attention sinks), when non-empty;
 - header: ``scheme`` (KV scheme name), ``spec`` (cache geometry JSON), ``layers`` (a
   JSON list of ``{start, offset, group_size, base_rows}``) and, for a fork,
-  ``shared_prefix`` (the prefix id its first rows come from).
+  ``shared_prefix`` (the prefix id its first rows come from);
+- boundary checkpoints (``kvshelf.kv.checkpoints``), when the model has sliding layers:
+  header ``checkpoints``, a JSON list of ``{tokens, layers}`` (the checkpoint holds the
+  record's first ``tokens`` tokens; ``layers`` has per layer ``{start, origin}`` for a
+  sliding layer, the first row it holds and where the layer's buffer started, and null
+  for a full one), and per checkpoint ``j`` the tensors ``c{j}.l{i}.*``, named as the
+  layer's own (a full layer has at most ``c{j}.l{i}.k.tail``). Records written before
+  checkpoints existed have none and load as before.
 
 Shared-prefix record (``prefix_record``): ``l{i}.k.*``/``l{i}.v.*`` per layer that has
 blocks; header ``kind: shared-prefix``, ``id``, ``scheme``, ``spec`` and ``layers`` (a
@@ -36,6 +43,7 @@ import mlx.core as mx
 
 from kvshelf.kv.agent_cache import AgentCache
 from kvshelf.kv.blocks import LayerRows, QTriple, SharedLayer
+from kvshelf.kv.checkpoints import Checkpoint, LayerCheckpoint
 from kvshelf.kv.schemes import SCHEMES
 from kvshelf.kv.shared import SharedPrefix
 from kvshelf.model.spec import BLOCK_TOKENS, ModelCacheSpec
@@ -140,7 +148,78 @@ def agent_record(cache: AgentCache) -> CacheRecord:
     meta = {"scheme": cache.scheme.name, "spec": cache.spec.to_json(), "layers": json.dumps(layout)}
     if cache.shared is not None:
         meta["shared_prefix"] = cache.shared.id
+    if cache.checkpoints:
+        meta["checkpoints"] = json.dumps([_put_checkpoint(tensors, j, c) for j, c in enumerate(cache.checkpoints)])
     return CacheRecord(tokens=list(cache.tokens), tensors=tensors, meta=meta)
+
+
+def _put_rows(tensors: dict[str, mx.array], key: str, rows: LayerRows) -> None:
+    if rows.keys is not None and rows.values is not None:
+        _put_packed(tensors, key, rows.keys, rows.values)
+    extras = {"k.tail": rows.k_tail, "sink.k": rows.sink_k, "sink.v": rows.sink_v}
+    tensors.update({key + name: x for name, x in extras.items() if x is not None and x.size})
+
+
+def _put_checkpoint(tensors: dict[str, mx.array], j: int, checkpoint: Checkpoint) -> dict[str, Any]:
+    layers: list[dict[str, int] | None] = []
+    for i, layer in enumerate(checkpoint.layers):
+        if layer is not None:
+            _put_rows(tensors, f"c{j}.{_layer_key(i)}", layer.rows)
+        if layer is None or layer.start is None or layer.origin is None:
+            layers.append(None)  # a full layer: its fp16 key tail at most
+        else:
+            layers.append({"start": layer.start, "origin": layer.origin})
+    return {"tokens": checkpoint.position, "layers": layers}
+
+
+def _checkpoints_of(record: CacheRecord, spec: ModelCacheSpec, channel_keys: bool) -> list[Checkpoint]:
+    """The record's boundary checkpoints (none in a record written before them)."""
+    raw = record.meta.get("checkpoints")
+    if raw is None:
+        return []
+    try:
+        listed = json.loads(raw)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"record's checkpoints are unreadable: {exc}") from None
+    if not isinstance(listed, list):
+        raise ValueError("record's checkpoints are not a list")
+    out: list[Checkpoint] = []
+    for j, entry in enumerate(listed):
+        what = f"checkpoint {j}"
+        if not isinstance(entry, dict) or not isinstance(entry.get("layers"), list):
+            raise ValueError(f"{what} is not an object with layers")
+        position = _ints(entry, ("tokens",), what)["tokens"]
+        if not 0 < position <= len(record.tokens) or (out and position <= out[-1].position):
+            raise ValueError(f"{what} is not within the record's tokens, in order")
+        if len(entry["layers"]) != len(spec.layers):
+            raise ValueError(f"{what}'s layer count does not match the model")
+        layers = []
+        for i, (layer, lay) in enumerate(zip(spec.layers, entry["layers"])):
+            where = f"{what} layer {i}"
+            rows = _layer_rows(record.tensors, f"c{j}.{_layer_key(i)}", where)
+            bounds = None if layer.window is None else _ints(lay, ("start", "origin"), where)
+            start = None if bounds is None else bounds["start"]
+            if start is None:
+                if lay is not None or rows.keys is not None:
+                    raise ValueError(f"{where} is a full layer, but holds rows")
+                tail = position % BLOCK_TOKENS if channel_keys else 0
+                if (rows.k_tail.shape[2] if rows.k_tail is not None else 0) not in (0, tail):
+                    raise ValueError(f"{where}'s fp16 key tail does not match its position")
+                layers.append(LayerCheckpoint(rows, None) if rows.k_tail is not None else None)
+                continue
+            assert bounds is not None
+            origin = bounds["origin"]
+            if start % BLOCK_TOKENS or origin % BLOCK_TOKENS or not 0 <= origin <= start <= position:
+                raise ValueError(f"{where} does not start on a block before its position")
+            held = 0 if rows.keys is None or rows.values is None else rows.keys[0].shape[2]
+            if held != position - start or any(x.shape[2] != held for x in (*(rows.keys or ()), *(rows.values or ()))):
+                raise ValueError(f"{where} holds {held} rows, its position says {position - start}")
+            if channel_keys and held:
+                if (rows.k_tail.shape[2] if rows.k_tail is not None else 0) != held % BLOCK_TOKENS:
+                    raise ValueError(f"{where}'s fp16 key tail does not match its length")
+            layers.append(LayerCheckpoint(rows, start, origin))
+        out.append(Checkpoint(position, tuple(layers)))
+    return out
 
 
 def shared_prefix_id(record: CacheRecord) -> str | None:
@@ -202,6 +281,7 @@ def agent_cache_from_record(spec: ModelCacheSpec, record: CacheRecord, prefix: S
         c.restore(rows, start, offset, base)
     cache.tokens = list(tokens)
     cache.shared = prefix if wanted is not None else None
+    cache.checkpoints = _checkpoints_of(record, spec, scheme.channel_keys)
     return cache
 
 

@@ -29,6 +29,7 @@ from kvshelf.kv.schemes import scheme as kv_scheme_named
 from kvshelf.model.loader import LoadedModel, load
 from kvshelf.model.template import Message, validate_messages
 from kvshelf.paths import default_cache_dir
+from kvshelf.runtime.boundaries import message_boundaries
 from kvshelf.runtime.events import Event, Failed, Finished, Prefilled, Text
 from kvshelf.runtime.params import GenerationParams
 from kvshelf.runtime.results import (  # noqa: F401  (re-exported)
@@ -301,9 +302,13 @@ class Engine:
         """Build a request (``params`` None: prefill only) from input checked here, in the
         caller's thread, so bad input fails fast and alone."""
         self._check_open()
-        prompt = self._encode(validate_messages(messages))
+        messages = validate_messages(messages)
+        prompt = self._encode(messages)
+        # every request is cut at its boundaries, named or not, so that its numbers do not
+        # depend on whether it is kept (each call's chunking shapes the last bits)
+        boundaries = message_boundaries(self.loaded, messages, prompt)
         if params is None:
-            return Request(aid, prompt, 1, None, [], emit)
+            return Request(aid, prompt, 1, None, [], emit, boundaries=boundaries)
         vocab = getattr(getattr(self.loaded.model, "args", None), "vocab_size", None)
         if vocab is not None and params.logit_bias and params.logit_bias[-1][0] >= vocab:
             raise ValueError(
@@ -318,7 +323,7 @@ class Engine:
             presence_penalty=params.presence_penalty,
         )
         max_tokens = min(params.max_tokens, self.loaded.context_length - len(prompt))
-        return Request(aid, prompt, max_tokens, sampler, list(params.stop), emit, until=until)
+        return Request(aid, prompt, max_tokens, sampler, list(params.stop), emit, until=until, boundaries=boundaries)
 
     def _encode(self, messages: Sequence[Message]) -> list[int]:
         prompt = self.loaded.tokenizer.encode_prompt(self.loaded.template.render(messages))

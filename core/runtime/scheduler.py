@@ -59,6 +59,21 @@ def forward_plan(n: int, chunk: int) -> list[int]:
     return [min(chunk, body - i) for i in range(0, body, chunk)] + [1]
 
 
+def prefill_plan(n: int, chunk: int, stops: Sequence[int] = (), logits: bool = True) -> list[int]:
+    """Sizes of the model calls that feed ``n`` tokens, a call ending at each of ``stops``
+    (offsets into the ``n``, where boundary checkpoints are taken). Only the last call's
+    logits are used; ``logits=False`` (prefill ahead) needs no separate last call."""
+    plan, at = [], 0
+    for end in [*sorted(s for s in set(stops) if 0 < s < n), n]:
+        span = end - at
+        if end == n and logits:
+            plan += forward_plan(span, chunk)
+        else:
+            plan += [min(chunk, span - i) for i in range(0, span, chunk)]
+        at = end
+    return plan
+
+
 def held_back(text: str, stops: list[str]) -> int:
     """How many trailing chars could still grow into a stop string."""
     hold = 0
@@ -105,6 +120,7 @@ class Request:
     background: bool = False  # prefill ahead: lowest priority, superseded by any later request
     until: Callable[[str], int] | None = None  # where the reply is complete (e.g. a JSON object), or -1
     progress: Callable[[int, int], None] | None = None  # (prompt tokens done, of) after each prefill chunk
+    boundaries: tuple[int, ...] = ()  # prompt positions that end a message: checkpoint there
     cache: AgentCache | None = None
     restoring: Future | None = None
     planned: bool = False
@@ -255,14 +271,13 @@ class Scheduler:
         if not r.planned:
             assert r.cache is not None
             r.cached = r.cache.reuse_prefix(r.prompt)
+            if r.cached in r.boundaries:  # cut back to a boundary: keep it before going on
+                r.cache.checkpoint()
             r.todo = r.prompt[r.cached :]
-            chunk = self._prefill_chunk
-            # prefill ahead needs no logits, so no separate last call either
-            r.plan = (
-                [min(chunk, len(r.todo) - i) for i in range(0, len(r.todo), chunk)]
-                if r.background
-                else forward_plan(len(r.todo), chunk)
-            )
+            # a call ends at each message boundary still to compute, where a checkpoint is
+            # taken; prefill ahead needs no logits, so no separate last call either
+            stops = [b - r.cached for b in r.boundaries]
+            r.plan = prefill_plan(len(r.todo), self._prefill_chunk, stops, logits=not r.background)
             r.planned = True
         return True
 
@@ -298,6 +313,8 @@ class Scheduler:
                 mx.eval(r.cache.arrays())
                 if r.progress is not None:  # a caller showing a long prefill (worker thread: keep it quick)
                     r.progress(len(r.prompt) - len(r.todo), len(r.prompt))
+                if len(r.cache.tokens) in r.boundaries:
+                    r.cache.checkpoint()
                 return True
             if r.background:  # its logits are never read: only the cache is computed
                 mx.eval(r.cache.arrays())
@@ -386,6 +403,8 @@ class Scheduler:
         (from the I/O thread, so the step loop never waits on the disk), with ``saved``
         saying whether the record on disk now holds the turn.
         """
+        if r.agent_id is not None and r.cache is not None:
+            r.cache.prune_checkpoints()  # the turn is over: only checkpoints still useful stay
         settled = None
         if r.agent_id is not None:
             settled = self._shelf.give_back(r.agent_id, r.cache)

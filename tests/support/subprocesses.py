@@ -9,6 +9,7 @@ import ``tests.support`` like the tests do.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -17,9 +18,14 @@ from typing import Any
 from tests.support import REPO_ROOT
 
 
-def run_in_subprocess(code: str, timeout: float = 300) -> dict[str, Any]:
-    """Run ``code`` in a fresh Python process (a real restart); it must print one JSON line last."""
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout, cwd=REPO_ROOT)
+def run_in_subprocess(code: str, timeout: float = 300, env: dict[str, str] | None = None) -> dict[str, Any]:
+    """Run ``code`` in a fresh Python process (a real restart); it must print one JSON line last.
+
+    ``env`` adds to this process's environment (e.g. another ``PYTHONHASHSEED``)."""
+    full_env = {**os.environ, **env} if env else None
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout, cwd=REPO_ROOT, env=full_env
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
