@@ -17,9 +17,11 @@ never on the turn, so earlier turns stay byte-stable and the agent's cache is re
 A forced turn is one call: generation ends where the call's JSON object closes, or at
 the closing tag if the model writes it first (a small model often drops the last brace).
 
-Forcing by an opened turn is a best effort (kvshelf has no grammar-constrained
-decoding): if the model still produces no valid call, the reply comes back as plain
-content with ``finish_reason`` "stop" or "length", never as an invented call.
+The turn is also constrained by a grammar (``kvshelf.structured.grammar``), so a forced
+call always parses and its arguments match the tool's schema, and under "auto" a call
+once opened does too. Only ``max_tokens`` can still cut a call short; then, as for an
+unconstrained reply (``plan_output(constrained=False)``), the reply comes back as plain
+content with ``finish_reason`` "length", never as an invented call.
 
 Parsing is lenient: tagged calls (closing tag optional at the very end), fenced or bare
 JSON objects (or a list of them) with ``name`` and ``arguments`` (or ``parameters``).
@@ -27,7 +29,8 @@ Inside a tag, where the end of the call is known, a call whose JSON only lacks i
 closing brackets is completed (``complete_json_prefix``); anything else malformed is
 not a call.
 A call is accepted only if it names one of the offered functions and its arguments are
-a JSON object. The content is the text before the first valid call, and without a
+a JSON object; an exact repeat of an earlier call in the same reply (a small model's
+habit when parallel calls are allowed) is dropped. The content is the text before the first valid call, and without a
 valid call all of the text is content, so a failed call is never silently lost.
 """
 
@@ -41,7 +44,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvshelf.model.template import message_text
-from kvshelf.serving.json_mode import end_of_object
+from kvshelf.structured.json_mode import end_of_object
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 _FENCE = re.compile(r"^```[a-zA-Z]*\s*\n?(.*?)\n?```$", re.DOTALL)
@@ -226,7 +229,8 @@ def parse_tool_calls(text: str, names: Sequence[str]) -> tuple[str, list[ToolCal
         call = _as_call(value, allowed)
         if call is not None:
             content_end = min(content_end, start)
-            calls.append(call)
+            if not any((c.name, c.arguments) == (call.name, call.arguments) for c in calls):
+                calls.append(call)  # an exact repeat asks nothing new (small models repeat a call)
     return text[:content_end], calls
 
 
