@@ -79,8 +79,8 @@ def _checked(source: str, param: str, what: str) -> str:
     """``source`` if llguidance accepts it; else ``InvalidSchema`` with its reason."""
     error = llguidance.LLMatcher.validate_grammar(source)
     if error:
-        first = error.strip().splitlines()[0] if error.strip() else error
-        raise InvalidSchema(f"{what} in '{param}' cannot be enforced: {first}", param)
+        reason = " ".join(error.split())[:400]  # llguidance's words name the keyword (or the pattern)
+        raise InvalidSchema(f"{what} in '{param}' cannot be enforced: {reason}", param)
     return source
 
 
