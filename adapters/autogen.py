@@ -53,8 +53,8 @@ from kvshelf.adapters.backend import Backend, connect, merge_chunks
 from kvshelf.adapters.identity import agent_key, fallback_key
 from kvshelf.runtime.engine import Engine
 from kvshelf.runtime.params import GenerationParams
-from kvshelf.structured.tools import tools_text, with_system_text
 from kvshelf.storage.agent_id import AgentId
+from kvshelf.structured.tools import tools_text, with_system_text
 
 __all__ = [
     "KVShelfChatCompletionClient",

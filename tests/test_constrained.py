@@ -42,7 +42,7 @@ SCHEMAS: list[dict[str, Any]] = [
     },
     {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}, "minItems": 2, "maxItems": 4},
 ]
-TOOLS = [
+TOOLS: list[dict[str, Any]] = [
     {
         "type": "function",
         "function": {
@@ -128,8 +128,8 @@ def test_auto_call_once_opened_is_constrained():
     """The grammar itself: under "auto", text may not go on after ``<tool_call>`` as anything but a call."""
     import llguidance
 
-    from kvshelf.structured.constraint import Vocabulary
     from kvshelf.model.loader import TextTokenizer
+    from kvshelf.structured.constraint import Vocabulary
     from tests.support.tiny import byte_tokenizer
 
     vocab = Vocabulary(TextTokenizer(byte_tokenizer(), None, frozenset({0})))
@@ -138,7 +138,7 @@ def test_auto_call_once_opened_is_constrained():
     matcher = llguidance.LLMatcher(vocab.llg, grammar.source, log_level=0)
     accepted = matcher.try_consume_tokens(ids)
     assert vocab._tokenizer.decode(ids[:accepted]) == 'Sure. <tool_call>{"'  # "value" is refused
-    text = vocab.encode('Plain text, with <b>tags</b>.')
+    text = vocab.encode("Plain text, with <b>tags</b>.")
     assert llguidance.LLMatcher(vocab.llg, grammar.source, log_level=0).try_consume_tokens(text) == len(text)
 
 
@@ -174,7 +174,7 @@ def test_a_constrained_turn_leaves_the_cache_exact_and_restores_warm(tiny_dirs, 
     fresh = Engine(tiny_dirs["llama"], tmp_path / "b", prefill_chunk=1, progress=False)
     first = warm.chat("ann", ASK, tools=TOOLS, tool_choice="required", parallel_tool_calls=False, max_tokens=300)
     call = first.tool_calls[0]
-    history = [
+    history: list[dict[str, Any]] = [
         *ASK,
         {"role": "assistant", "content": None, "tool_calls": [call.to_openai()]},
         {"role": "tool", "tool_call_id": call.id, "content": "done"},

@@ -50,11 +50,17 @@ def test_the_server_constrains_forced_calls_and_json_with_a_grammar_instead_of_a
 
     tool = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
     base = {"messages": [{"role": "user", "content": "Weather in Paris?"}], "tools": [tool]}
-    for extra in ({"tool_choice": "required"}, {}, {"tool_choice": {"type": "function", "function": {"name": "get_weather"}}}):
+    for extra in (
+        {"tool_choice": "required"},
+        {},
+        {"tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
+    ):
         turn = prepare(ChatCompletionRequest.model_validate({**base, **extra}), None, GenerationParams(max_tokens=64))
         assert "until" not in turn.options and turn.options["grammar"].description == "tool_calls"
     as_json = prepare(
-        ChatCompletionRequest.model_validate({"messages": base["messages"], "response_format": {"type": "json_object"}}),
+        ChatCompletionRequest.model_validate(
+            {"messages": base["messages"], "response_format": {"type": "json_object"}}
+        ),
         None,
     )
     assert "until" not in as_json.options and as_json.options["grammar"].opening == "{"

@@ -7,8 +7,9 @@ audio, PDFs or per-call model switching (kvshelf serves the one model it loaded)
 
 Tool calls and JSON replies are constrained by grammars, so none fails for malformed
 arguments or JSON; only the cases where the 270M model *chooses* a wrong value, wrong keys
-or no call at all are marked xfail (strict), each with its reason. Replies are kept short (``max_tokens``) so the suite runs in a few minutes on two
-CPU cores: a 270M model rarely ends a reply on its own, so every reply runs to the limit.
+or no call at all are marked xfail (strict), each with its reason. Replies are kept short
+(``max_tokens``) so the suite runs in a few minutes on two CPU cores: a 270M model rarely
+ends a free reply on its own (a constrained one ends where its grammar does).
 
 The async tests run under pytest-asyncio through this module's ``pytestmark``, so this
 file needs no ``asyncio_mode = "auto"`` and nothing changes for the rest of the suite.

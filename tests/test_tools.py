@@ -105,7 +105,8 @@ def test_an_exact_repeat_of_a_call_is_dropped():
 
 
 def test_call_ids_are_unique_and_arguments_are_json_strings():
-    text = '<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>\n<tool_call>{"name": "add", "arguments": {"a": 2}}</tool_call>'
+    one, two = ({"name": "add", "arguments": {"a": a}} for a in (1, 2))
+    text = f"<tool_call>{json.dumps(one)}</tool_call>\n<tool_call>{json.dumps(two)}</tool_call>"
     _, calls = parse_tool_calls(text, NAMES)
     assert calls[0].id != calls[1].id and calls[0].id.startswith("call_")
     assert calls[0].to_openai(0) == {

@@ -12,7 +12,7 @@ import os
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
-SECTIONS = ("ttft", "capacity", "quality", "phases", "routing", "peer")
+SECTIONS = ("ttft", "capacity", "quality", "phases", "routing", "peer", "structured")
 
 
 @dataclass(frozen=True)
@@ -50,6 +50,9 @@ class Settings:
     peer_startup_timeout_s: float = 300.0
     # a vllm-mlx executable to run as a second peer ("" = not run; default $KVSHELF_BENCH_VLLM_MLX)
     peer_vllm_mlx: str = field(default_factory=lambda: os.environ.get("KVSHELF_BENCH_VLLM_MLX", ""))
+    # Structured output: tool and JSON schemas (1..N fields each), constrained vs unconstrained
+    structured_schemas: int = 20
+    structured_max_tokens: int = 160
     seed: int = 0
     notes: tuple[str, ...] = field(default_factory=tuple)
 
@@ -67,6 +70,8 @@ QUICK = Settings(
     routing_questions=10,
     peer_doc_tokens=512,
     phases_max_tokens=8,
+    structured_schemas=8,
+    structured_max_tokens=64,
 )
 
 FULL = Settings(

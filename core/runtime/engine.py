@@ -94,6 +94,11 @@ class Engine:
         return self._scheme
 
     @property
+    def vocabulary(self) -> Vocabulary:
+        """The model's tokens as the grammar library sees them (built on first use)."""
+        return self._vocabulary
+
+    @property
     def closed(self) -> bool:
         return self._closed
 
@@ -138,7 +143,9 @@ class Engine:
         if tools is None and response_format is None:
             return _last(self.stream(agent_id, messages, p, until=until, grammar=grammar))
         plan = plan_output(tools, tool_choice, parallel_tool_calls, response_format)
-        result = _last(self.stream(agent_id, plan.messages(messages), p, until=until or plan.until(), grammar=plan.grammar))
+        result = _last(
+            self.stream(agent_id, plan.messages(messages), p, until=until or plan.until(), grammar=plan.grammar)
+        )
         return _shaped(result, *plan.parse(result.text))
 
     def stream(
@@ -424,7 +431,9 @@ def _last(items: Generator[str | ChatResult, None, None]) -> ChatResult:
 
 def _shaped(result: ChatResult, content: str, calls: list[ToolCall]) -> ChatResult:
     """``result`` as its plan reads it: the content (with the opening) and the calls."""
-    return replace(result, text=content, tool_calls=calls, finish_reason="tool_calls" if calls else result.finish_reason)
+    return replace(
+        result, text=content, tool_calls=calls, finish_reason="tool_calls" if calls else result.finish_reason
+    )
 
 
 def _shown(event: Event) -> str | ChatResult:

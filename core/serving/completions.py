@@ -50,6 +50,7 @@ class Turn:
     json_mode: bool
     parallel_tool_calls: bool
     options: dict[str, Any]  # Engine.stream keyword arguments
+    constrained: bool = False  # a grammar shapes the reply: a call cut by max_tokens is dropped, not repaired
 
 
 def _agent_id(req: ChatCompletionRequest, header: str | None) -> AgentId | None:
@@ -94,7 +95,16 @@ def prepare(req: ChatCompletionRequest, header_agent: str | None, defaults: Gene
         options["until"] = until
     if plan.grammar is not None:
         options["grammar"] = plan.grammar
-    return Turn(agent_id, messages, plan.opening, plan.tool_names, plan.json_mode, req.parallel_tool_calls, options)
+    return Turn(
+        agent_id,
+        messages,
+        plan.opening,
+        plan.tool_names,
+        plan.json_mode,
+        req.parallel_tool_calls,
+        options,
+        constrained=plan.grammar is not None,
+    )
 
 
 class ReplyShaper:
@@ -102,7 +112,9 @@ class ReplyShaper:
 
     def __init__(self, turn: Turn) -> None:
         self.turn = turn
-        self.calls_parser = tools.ToolCallStream(turn.tool_names) if turn.tool_names else None
+        self.calls_parser = (
+            tools.ToolCallStream(turn.tool_names, repair=not turn.constrained) if turn.tool_names else None
+        )
         self.cutter = json_mode.JsonObjectCutter() if turn.json_mode and not self.calls_parser else None
         self.content = ""
 

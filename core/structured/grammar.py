@@ -118,7 +118,9 @@ def _call_schema(tools: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
                 "additionalProperties": False,
             }
         )
-    return {"anyOf": options, "x-guidance": JSON_STYLE} if len(options) > 1 else {**options[0], "x-guidance": JSON_STYLE}
+    return (
+        {"anyOf": options, "x-guidance": JSON_STYLE} if len(options) > 1 else {**options[0], "x-guidance": JSON_STYLE}
+    )
 
 
 def tool_call_grammar(
@@ -144,7 +146,7 @@ def tool_call_grammar(
         # that opens a call must go on as a call
         tag = OPEN  # no regex metacharacters in it
         lines = [
-            f'start: TEXT | trigger call {json.dumps(CLOSE)}{more}',
+            f"start: TEXT | trigger call {json.dumps(CLOSE)}{more}",
             f"TEXT: /(.|\\n)*/ & ~/(.|\\n)*{tag}(.|\\n)*/",
             f"trigger[lazy]: /(.|\\n)*{tag}/",
             call,

@@ -26,7 +26,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvshelf.errors import ApiError
-from kvshelf.structured import json_mode, tools
+from kvshelf.structured import json_mode
+from kvshelf.structured import tools as calling
 from kvshelf.structured.grammar import Grammar, json_grammar, tool_call_grammar
 
 
@@ -50,7 +51,7 @@ class OutputPlan:
 
     def messages(self, messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
         """``messages`` with the system text added and the reply opened."""
-        out = tools.with_system_text(tools.name_tool_results(messages), self.system_text)
+        out = calling.with_system_text(calling.name_tool_results(messages), self.system_text)
         if self.opening:
             out.append({"role": "assistant", "content": self.opening, "prefix": True})
         return out
@@ -60,17 +61,17 @@ class OutputPlan:
         if self.grammar is not None:
             return None
         if self.tools and self.opening:
-            return tools.end_of_call(self.opening)
+            return calling.end_of_call(self.opening)
         if self.json_mode and not self.tools:
             return json_mode.end_of_object(self.opening)
         return None
 
-    def parse(self, text: str) -> tuple[str, list[tools.ToolCall]]:
+    def parse(self, text: str) -> tuple[str, list[calling.ToolCall]]:
         """(content, calls) of a reply whose generated text is ``text`` (after the opening)."""
         whole = self.opening + text
         if not self.tools:
             return whole, []
-        content, calls = tools.parse_tool_calls(whole, self.tool_names)
+        content, calls = calling.parse_tool_calls(whole, self.tool_names, repair=self.grammar is None)
         return content, calls if self.parallel_tool_calls else calls[:1]
 
 
@@ -117,12 +118,12 @@ def plan_output(
     schema = _schema_of(fmt) if want_json else None
     extra = []
     if use_tools:
-        extra.append(tools.tools_text(offered))
+        extra.append(calling.tools_text(offered))
     if want_json:
         extra.append(json_mode.instruction(fmt or {}))
     grammar: Grammar | None = None
     if use_tools:
-        opening = tools.opening(choice)
+        opening = calling.opening(choice)
         if constrained:
             grammar = tool_call_grammar(offered, choice, parallel=parallel_tool_calls, opening=opening)
     elif want_json:

@@ -201,12 +201,16 @@ def _json_value(text: str, trailing_ok: bool = False) -> Any:
         return None
 
 
-def parse_tool_calls(text: str, names: Sequence[str]) -> tuple[str, list[ToolCall]]:
+def parse_tool_calls(text: str, names: Sequence[str], *, repair: bool = True) -> tuple[str, list[ToolCall]]:
     """Split model text into (content, calls).
 
     The content is the text before the first valid call; what follows the calls is
     dropped (the model was told to write nothing there, and OpenAI's message puts no
     text after calls). Without a valid call, all the text is content.
+
+    ``repair=False`` (a constrained reply, whose calls are whole unless ``max_tokens``
+    cut the last one) drops a cut call instead of closing its brackets: closed, its
+    arguments could lack required fields.
     """
     allowed = frozenset(names)
     if OPEN not in text:
@@ -216,14 +220,15 @@ def parse_tool_calls(text: str, names: Sequence[str]) -> tuple[str, list[ToolCal
         if value is not None and len(whole) == len(items):
             return "", whole
         return text, []
-    content_end, calls, pos = len(text), [], 0
+    content_end, pos = len(text), 0
+    calls: list[ToolCall] = []
     while (start := text.find(OPEN, pos)) >= 0:
         end = text.find(CLOSE, start)
         # no closing tag: the reply ended, perhaps inside the tag (``</tool_call`` then end of turn)
         body_end, pos = (end, end + len(CLOSE)) if end >= 0 else (len(text) - _partial_tag(text, CLOSE), len(text))
         body = text[start + len(OPEN) : body_end]
         value = _json_value(body, trailing_ok=True)
-        if value is None and (completed := complete_json_prefix(body.strip())) is not None:
+        if value is None and repair and (completed := complete_json_prefix(body.strip())) is not None:
             value = json.loads(completed)  # cut short: a call only if its arguments were begun
             value = value if isinstance(value, dict) and ("arguments" in value or "parameters" in value) else None
         call = _as_call(value, allowed)
@@ -258,8 +263,9 @@ class ToolCallStream:
     returns (the content not yet shown, the calls).
     """
 
-    def __init__(self, names: Sequence[str]) -> None:
+    def __init__(self, names: Sequence[str], *, repair: bool = True) -> None:
         self.names = list(names)
+        self.repair = repair
         self.text = ""
         self.shown = 0
         self._held = False  # a tag or a JSON start was seen: hold the rest
@@ -284,7 +290,7 @@ class ToolCallStream:
         return out
 
     def finish(self) -> tuple[str, list[ToolCall]]:
-        content, calls = parse_tool_calls(self.text, self.names)
+        content, calls = parse_tool_calls(self.text, self.names, repair=self.repair)
         if not calls:
             return self.text[self.shown :], []
         # the shown part is the text before the first tag, i.e. a prefix of the content
