@@ -229,3 +229,65 @@ def test_schemas_are_closed_where_they_leave_other_keys_open():
     assert out["properties"]["properties"]["properties"]["a"] == {"const": {"properties": 1}}  # data, untouched
     assert "additionalProperties" not in schema  # the caller's schema is not changed
     assert json_grammar({"type": "array"}).opening == "" and json_grammar(None).opening == "{"
+
+
+# -- over HTTP ------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def http(engine):
+    import httpx
+
+    from kvshelf.serving.server import create_app
+    from tests.support.servers import ServerThread
+
+    server = ServerThread(create_app(engine, close_engine=False))
+    with httpx.Client(base_url=server.url + "/v1", timeout=120) as client:
+        yield client
+    server.stop()
+
+
+def test_the_server_answers_a_schema_it_cannot_enforce_with_a_400_naming_the_keyword(http):
+    bad = {"type": "object", "properties": {"a": {"type": "string"}}, "if": {"required": ["a"]}, "then": {}}
+    r = http.post("/chat/completions", json={"messages": ASK, "response_format": _fmt(bad)})
+    assert r.status_code == 400
+    err = r.json()["error"]
+    assert err["param"] == "response_format.json_schema.schema" and err["code"] == "invalid_json_schema"
+    assert '"if"' in err["message"] and '"then"' in err["message"]
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "string", "format": "bogus"}}}
+    r = http.post("/chat/completions", json={"messages": ASK, "tools": [tool], "tool_choice": "required"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools[0].function.parameters"
+    assert "bogus" in r.json()["error"]["message"]
+
+
+def _post(http: Any, body: dict[str, Any], stream: bool) -> tuple[str, list[dict[str, Any]], str]:
+    """(content, tool calls, finish_reason) of one completion, streamed (SSE) or whole."""
+    if not stream:
+        r = http.post("/chat/completions", json=body)
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        message = choice["message"]
+        return message["content"] or "", message.get("tool_calls") or [], choice["finish_reason"]
+    content, finish = "", ""
+    calls: list[dict[str, Any]] = []
+    with http.stream("POST", "/chat/completions", json={**body, "stream": True}) as r:
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            for choice in json.loads(line[6:])["choices"]:
+                content += choice["delta"].get("content") or ""
+                calls += choice["delta"].get("tool_calls") or []
+                finish = choice["finish_reason"] or finish
+    return content, calls, finish
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_the_server_constrains_forced_calls_and_json_replies(http, stream):
+    body: dict[str, Any] = {"messages": ASK, "max_tokens": 300, "temperature": 1.0, "seed": 5}
+    _, calls, finish = _post(http, {**body, "tools": TOOLS, "tool_choice": "required"}, stream)
+    assert finish == "tool_calls" and calls
+    for call in calls:
+        fn = call["function"]
+        schema = next(t["function"].get("parameters") for t in TOOLS if t["function"]["name"] == fn["name"])
+        jsonschema.validate(json.loads(fn["arguments"]), closed(schema or {"type": "object"}))
+    text, _, finish = _post(http, {**body, "response_format": _fmt(SCHEMAS[3])}, stream)
+    assert finish == "stop"
+    jsonschema.validate(json.loads(text), closed(SCHEMAS[3]))
