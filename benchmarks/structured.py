@@ -16,6 +16,7 @@ import argparse
 import time
 from pathlib import Path
 
+import kvshelf  # noqa: F401  (OpenBLAS before mlx)
 from kvbench.runner import run
 from kvbench.settings import Settings
 
