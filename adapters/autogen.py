@@ -54,8 +54,8 @@ from pydantic import BaseModel, SecretStr
 from kvshelf.adapters.backend import Backend, connect, merge_chunks
 from kvshelf.adapters.identity import agent_key, fallback_key
 from kvshelf.runtime.params import GenerationParams
-from kvshelf.serving.tools import tools_text, with_system_text
 from kvshelf.storage.agent_id import AgentId
+from kvshelf.structured.tools import tools_text, with_system_text
 
 if TYPE_CHECKING:  # imported in process only (see kvshelf.adapters.backend)
     from kvshelf.runtime.engine import Engine

@@ -3,7 +3,7 @@
 The public surface is what this module exports (see ``__all__``): the ``Engine``, the
 values it hands back, the generation settings, the agent id type and the errors.
 Everything else is an implementation layer (``kvshelf.model``, ``kv``, ``storage``,
-``runtime``, ``serving``) whose names may change between releases.
+``runtime``, ``structured``, ``serving``) whose names may change between releases.
 
 Importing kvshelf is cheap (MLX is imported with the ``Engine``, on first use), and it
 first preloads OpenBLAS on Linux (see ``kvshelf.model.blas``) so that
@@ -23,6 +23,7 @@ from kvshelf.errors import (  # noqa: E402  (after the OpenBLAS preload)
     AgentExists,
     ContextLengthExceeded,
     InvalidAgentId,
+    InvalidSchema,
     KVShelfError,
     StorageError,
     UnknownAgent,
@@ -30,6 +31,7 @@ from kvshelf.errors import (  # noqa: E402  (after the OpenBLAS preload)
 from kvshelf.runtime.params import DEFAULT_MAX_TOKENS, GenerationParams  # noqa: E402
 from kvshelf.runtime.results import AgentInfo, ChatResult, ForgetResult, ForkResult, Usage  # noqa: E402
 from kvshelf.storage.agent_id import AgentId, validate_agent_id  # noqa: E402
+from kvshelf.structured.tools import ToolCall  # noqa: E402
 
 __version__ = "0.1.0"
 
@@ -61,8 +63,10 @@ __all__ = [
     "ForkResult",
     "GenerationParams",
     "InvalidAgentId",
+    "InvalidSchema",
     "KVShelfError",
     "StorageError",
+    "ToolCall",
     "UnknownAgent",
     "Usage",
     "__version__",

@@ -83,6 +83,18 @@ class ContextLengthExceeded(_RequestError, ValueError):
     hint = ". Shorten the messages, or start a new agent."
 
 
+class InvalidSchema(_RequestError, ValueError):
+    """A JSON schema (``response_format`` or a tool's ``parameters``) that constrained
+    decoding cannot enforce: an unsupported keyword, a bad type or pattern, recursion the
+    grammar library refuses. Refused before any generation, never silently loosened."""
+
+    code = "invalid_json_schema"
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
 class AgentBusy(_RequestError):
     """The agent has a request in flight; erase or evict it once that finishes."""
 

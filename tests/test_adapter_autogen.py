@@ -13,7 +13,7 @@ import json
 import logging
 import warnings
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Literal
 
 import pytest
 from autogen_agentchat.agents import AssistantAgent
@@ -32,7 +32,7 @@ from autogen_core.models import (
     validate_model_info,
 )
 from autogen_core.tools import FunctionTool
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 from kvshelf.adapters.autogen import KVShelfChatCompletionClient, TurnStats, runtime_agent_name, to_openai_messages
 from kvshelf.runtime.engine import Engine
@@ -377,16 +377,36 @@ async def test_json_output_asks_for_a_json_object(tiny, mode, json_output):
     await client.close()
 
 
+class BoundedPet(BaseModel):
+    """A pet whose JSON a random-weight model can finish: bounded strings, a closed choice."""
+
+    name: str = Field(max_length=8)
+    species: Literal["cat", "dog"]
+    age: int = Field(ge=0, le=30)
+
+
+@MODES
+@pytest.mark.asyncio
+async def test_json_output_with_a_model_class_is_enforced_on_any_model(tiny, mode):
+    """Constrained decoding: even a random-weight model's reply is a valid BoundedPet."""
+    client = make_client(tiny, mode, max_tokens=200)
+    result = await client.for_agent("json-enforced").create(ask("A pet, as JSON."), json_output=BoundedPet)
+    assert isinstance(result.content, str) and result.finish_reason == "stop"
+    BoundedPet.model_validate_json(result.content)
+    await client.close()
+
+
 @pytest.mark.embedded
 @pytest.mark.asyncio
-async def test_structured_output_is_json(embedded):
-    """The schema is shown, not enforced: the 270M model returns valid JSON, if not always a Pet."""
+async def test_structured_output_is_a_valid_pet(embedded):
+    """The schema is enforced: the 270M model's reply is a Pet, with the keys it was asked for."""
     result = await embedded.for_agent("json-pet").create(
         ask("Describe a pet cat called Tom as a JSON object with the keys name and species."),
         json_output=Pet,
         extra_create_args={"max_tokens": 80},
     )
-    assert isinstance(json.loads(result.content), dict)
+    pet = Pet.model_validate_json(result.content)
+    assert pet.name and pet.species
 
 
 # -- the rest of the ChatCompletionClient ---------------------------------------------------------

@@ -208,6 +208,21 @@ def test_response_model_returns_the_validated_object_or_text(cw, tiny, embedded)
     assert isinstance(noise, str)
 
 
+@pytest.mark.parametrize("mode", ["local", "remote"])
+def test_response_model_is_enforced_on_any_model(cw, tiny, mode):
+    """Constrained decoding: a random-weight model's reply still validates as the response_model."""
+    from typing import Literal
+
+    from pydantic import BaseModel, Field
+
+    class Place(BaseModel):
+        city: str = Field(max_length=8)
+        kind: Literal["capital", "port", "village"]
+
+    place = make_llm(cw, tiny, mode, max_tokens=200).call(MESSAGES, response_model=Place)
+    assert isinstance(place, Place)
+
+
 def test_tool_calls_round_trip_directly_and_through_an_agent(cw, embedded):
     from crewai.tools import BaseTool
 

@@ -9,13 +9,14 @@ matters there.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
+from typing import Annotated, Any, Literal
 
 import pytest
 from langchain.agents import create_agent
 from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage, HumanMessage, SystemMessage, ToolMessage
 from langchain_core.runnables import RunnableConfig, RunnableLambda
 from langchain_core.tools import tool
+from pydantic import BaseModel, Field
 
 from kvshelf.adapters.backend import LocalBackend, shared_engine
 from kvshelf.adapters.identity import agent_key, fallback_key
@@ -317,3 +318,44 @@ def test_default_mode_shares_one_engine_and_restores_from_disk(tiny_dirs, tmp_pa
     second = again.invoke([*MESSAGES, first, HumanMessage("And?")])
     assert ext(second)["cache"] == "warm" and cached(second) > 0
     local_engine(again).close()
+
+
+class Reading(BaseModel):
+    """What a random-weight model can finish: bounded strings, a closed choice."""
+
+    city: str = Field(max_length=8)
+    unit: Literal["celsius", "fahrenheit"]
+
+
+@pytest.mark.parametrize("method", ["json_schema", "function_calling"])
+def test_with_structured_output_is_enforced_on_any_model(tiny, method):
+    """Constrained decoding: even a random-weight model's reply parses into the schema."""
+    llm = ChatKVShelf(engine=tiny, max_tokens=200, agent_id=f"structured-{method}")
+    reading = llm.with_structured_output(Reading, method=method).invoke("Weather in Paris?")
+    assert isinstance(reading, Reading)
+
+
+def test_bind_tools_forced_calls_have_arguments_that_validate(tiny):
+    @tool
+    def get_weather(city: Annotated[str, Field(max_length=8)], unit: Literal["celsius", "fahrenheit"]) -> str:
+        """Weather in a city."""
+        return "sunny"
+
+    @tool
+    def ping() -> str:
+        """Check that the service is up."""
+        return "pong"
+
+    llm = ChatKVShelf(engine=tiny, max_tokens=200, agent_id="forced-tools")
+    for choice, name in (("get_weather", "get_weather"), ("ping", "ping")):
+        msg = llm.bind_tools([get_weather, ping], tool_choice=choice, parallel_tool_calls=False).invoke("Go.")
+        assert [c["name"] for c in msg.tool_calls] == [name]
+        args = msg.tool_calls[0]["args"]
+        if name == "ping":
+            assert args == {}
+        else:
+            assert (
+                set(args) == {"city", "unit"} and len(args["city"]) <= 8 and args["unit"] in ("celsius", "fahrenheit")
+            )
+    msg = llm.bind_tools([get_weather, ping], tool_choice="any").invoke("Go.")
+    assert msg.tool_calls and all(c["name"] in ("get_weather", "ping") for c in msg.tool_calls)

@@ -1,9 +1,9 @@
-"""JSON mode ends generation where the object closes, instead of running to max_tokens."""
+"""JSON mode and forced calls end where the reply is complete, instead of running to max_tokens."""
 
 from __future__ import annotations
 
 from kvshelf.runtime.engine import Engine
-from kvshelf.serving.json_mode import end_of_object
+from kvshelf.structured.json_mode import end_of_object
 
 
 def test_end_of_object_follows_strings_escapes_and_nesting_token_by_token():
@@ -25,33 +25,44 @@ def test_until_ends_a_reply_early_with_finish_reason_stop(tiny_dirs, tmp_path):
     engine.close()
 
 
-def test_a_forced_tool_call_and_json_mode_end_where_their_object_closes():
+def test_unconstrained_a_forced_tool_call_and_json_mode_end_where_their_object_closes():
+    """``constrained=False`` (the benchmark's comparison) keeps the older cut: no grammar,
+    the reply ends where the call's or the JSON object's brackets close."""
+    from kvshelf.structured.plan import plan_output
+
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+    forced = {"type": "function", "function": {"name": "get_weather"}}
+    named = plan_output([tool], forced, constrained=False)
+    reply = ' {"city": "Paris"}}</tool_call> and more'
+    assert named.grammar is None and named.until()(reply) == reply.index("}}") + 2  # type: ignore[misc]
+    required = plan_output([tool], "required", constrained=False)
+    reply = 'get_weather", "arguments": {}} more'
+    assert required.until()(reply) == reply.index("}}") + 2  # type: ignore[misc]
+    assert plan_output([tool], "auto", constrained=False).until() is None  # auto: may call several
+    as_json = plan_output(response_format={"type": "json_object"}, constrained=False)
+    assert as_json.until()('"a": 1} done') == len('"a": 1}')  # type: ignore[misc]
+
+
+def test_the_server_constrains_forced_calls_and_json_with_a_grammar_instead_of_a_cut():
     from kvshelf.runtime.params import GenerationParams
     from kvshelf.serving.completions import prepare
     from kvshelf.serving.openai_api import ChatCompletionRequest
 
     tool = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
     base = {"messages": [{"role": "user", "content": "Weather in Paris?"}], "tools": [tool]}
-    forced = {"type": "function", "function": {"name": "get_weather"}}
-    named = prepare(
-        ChatCompletionRequest.model_validate({**base, "tool_choice": forced}), None, GenerationParams(max_tokens=64)
-    )
-    reply = ' {"city": "Paris"}}</tool_call> and more'
-    assert named.options["until"](reply) == reply.index("}}") + 2
-    required = prepare(
-        ChatCompletionRequest.model_validate({**base, "tool_choice": "required"}), None, GenerationParams(max_tokens=64)
-    )
-    reply = 'get_weather", "arguments": {}} more'
-    assert required.options["until"](reply) == reply.index("}}") + 2
-    assert (
-        "until"
-        not in prepare(ChatCompletionRequest.model_validate(base), None, GenerationParams(max_tokens=64)).options
-    )  # auto: may call several
+    for extra in (
+        {"tool_choice": "required"},
+        {},
+        {"tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
+    ):
+        turn = prepare(ChatCompletionRequest.model_validate({**base, **extra}), None, GenerationParams(max_tokens=64))
+        assert "until" not in turn.options and turn.options["grammar"].description == "tool_calls"
     as_json = prepare(
         ChatCompletionRequest.model_validate(
             {"messages": base["messages"], "response_format": {"type": "json_object"}}
         ),
         None,
-        GenerationParams(max_tokens=64),
     )
-    assert as_json.options["until"]('"a": 1} done') == len('"a": 1}')
+    assert "until" not in as_json.options and as_json.options["grammar"].opening == "{"
+    plain = prepare(ChatCompletionRequest.model_validate({"messages": base["messages"]}), None)
+    assert "grammar" not in plain.options and "until" not in plain.options

@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 
 from kvshelf.model.template import ChatMLTemplate, GemmaTemplate
-from kvshelf.serving.json_mode import JsonObjectCutter, instruction, is_valid_json
-from kvshelf.serving.tools import (
+from kvshelf.structured.json_mode import JsonObjectCutter, instruction, is_valid_json
+from kvshelf.structured.tools import (
     ToolCallStream,
     complete_json_prefix,
     end_of_call,
@@ -98,8 +98,16 @@ def test_invalid_calls_stay_content(text):
     assert calls_of(text) == (text, [])
 
 
+def test_an_exact_repeat_of_a_call_is_dropped():
+    call = '<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>'
+    _, calls = parse_tool_calls(f"{call}\n{call}\n{call}", NAMES)
+    assert [(c.name, c.arguments) for c in calls] == [("add", '{"a": 1}')]
+
+
 def test_call_ids_are_unique_and_arguments_are_json_strings():
-    _, calls = parse_tool_calls('<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>' * 2, NAMES)
+    one, two = ({"name": "add", "arguments": {"a": a}} for a in (1, 2))
+    text = f"<tool_call>{json.dumps(one)}</tool_call>\n<tool_call>{json.dumps(two)}</tool_call>"
+    _, calls = parse_tool_calls(text, NAMES)
     assert calls[0].id != calls[1].id and calls[0].id.startswith("call_")
     assert calls[0].to_openai(0) == {
         "index": 0,

@@ -18,7 +18,7 @@ import time
 import traceback
 from pathlib import Path
 
-from kvbench import capacity, machine, peer, phase_section, quality, report, routing, store_scale, ttft
+from kvbench import capacity, machine, peer, phase_section, quality, report, routing, store_scale, structured, ttft
 from kvbench.context import BenchContext
 from kvbench.settings import MODES, Settings
 
@@ -30,6 +30,7 @@ MODULES = {
     "phases": phase_section,
     "peer": peer,
     "store": store_scale,
+    "structured": structured,
 }
 MODE_DOCS = {
     "quick": "a smoke run (< 15 min on 2 cores): TTFT at 1K–4K, capacity at 1K–4K, perplexity over 1K tokens, "

@@ -12,7 +12,7 @@ import os
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
-SECTIONS = ("ttft", "capacity", "quality", "phases", "routing", "peer", "store")
+SECTIONS = ("ttft", "capacity", "quality", "phases", "routing", "peer", "store", "structured")
 
 
 @dataclass(frozen=True)
@@ -53,6 +53,9 @@ class Settings:
     # Store scale (issue 22): other agents' files in the store, a tiny model's durable turns
     store_sizes: tuple[int, ...] = (0, 1000, 10000, 100000)
     store_repeats: int = 15
+    # Structured output: tool and JSON schemas (1..N fields each), constrained vs unconstrained
+    structured_schemas: int = 20
+    structured_max_tokens: int = 160
     seed: int = 0
     notes: tuple[str, ...] = field(default_factory=tuple)
 
@@ -71,6 +74,8 @@ QUICK = Settings(
     peer_doc_tokens=512,
     phases_max_tokens=8,
     store_sizes=(0, 1000, 10000),
+    structured_schemas=8,
+    structured_max_tokens=64,
 )
 
 FULL = Settings(

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import queue
-from collections.abc import AsyncGenerator, Callable, Generator, Sequence
+from collections.abc import AsyncGenerator, Callable, Generator, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import replace
 from pathlib import Path
@@ -45,6 +45,10 @@ from kvshelf.runtime.sampling import Sampler
 from kvshelf.runtime.scheduler import Request, Scheduler
 from kvshelf.runtime.shelf import Shelf
 from kvshelf.storage.agent_id import AgentId, validate_agent_id
+from kvshelf.structured.constraint import TokenConstraint, Vocabulary
+from kvshelf.structured.grammar import Grammar
+from kvshelf.structured.plan import plan_output
+from kvshelf.structured.tools import ToolCall
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +89,7 @@ class Engine:
             durable=durable,
         )
         self._closed = False
+        self._vocabulary = Vocabulary(self.loaded.tokenizer)  # built on the first constrained request
         self._scheduler = Scheduler(self.loaded, self._shelf, prefill_chunk=prefill_chunk)
 
     @property
@@ -96,6 +101,11 @@ class Engine:
     def kv_scheme(self) -> KVScheme:
         """How new agents' caches are quantized (a record keeps the scheme it was written in)."""
         return self._scheme
+
+    @property
+    def vocabulary(self) -> Vocabulary:
+        """The model's tokens as the grammar library sees them (built on first use)."""
+        return self._vocabulary
 
     @property
     def closed(self) -> bool:
@@ -127,18 +137,33 @@ class Engine:
         stop: str | Sequence[str] | None = None,
         seed: int | None = None,
         until: Callable[[str], int] | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        tool_choice: str | Mapping[str, Any] | None = None,
+        parallel_tool_calls: bool = True,
+        response_format: Mapping[str, Any] | None = None,
+        grammar: Grammar | None = None,
     ) -> ChatResult:
         """Generate the agent's next message. ``agent_id=None`` is served but never persisted.
 
         ``params`` (default ``GenerationParams()``) sets how the reply is generated; a
         keyword given here overrides its field. ``until(text)`` may end the reply early:
         given the text so far, it returns the length to keep once the reply is complete
-        (``json_mode.end_of_object`` does this for a JSON object), or -1 to go on."""
+        (``json_mode.end_of_object`` does this for a JSON object), or -1 to go on.
+
+        ``tools``, ``tool_choice``, ``parallel_tool_calls`` and ``response_format`` take
+        OpenAI's shapes and are enforced by constrained decoding (``kvshelf.structured``):
+        the result's ``tool_calls`` then always parse, their arguments match their tool's
+        schema, and a JSON ``text`` matches its schema (unless ``max_tokens`` cut it:
+        ``finish_reason`` "length"). ``grammar`` constrains the reply to any
+        ``kvshelf.structured.grammar.Grammar``."""
         p = _merged(params, max_tokens, temperature, top_p, stop, seed)
-        for item in self.stream(agent_id, messages, p, until=until):
-            if isinstance(item, ChatResult):
-                return item
-        raise RuntimeError("generation ended without a result")  # pragma: no cover
+        if tools is None and response_format is None:
+            return _last(self.stream(agent_id, messages, p, until=until, grammar=grammar))
+        plan = plan_output(tools, tool_choice, parallel_tool_calls, response_format)
+        result = _last(
+            self.stream(agent_id, plan.messages(messages), p, until=until or plan.until(), grammar=plan.grammar)
+        )
+        return _shaped(result, *plan.parse(result.text))
 
     def stream(
         self,
@@ -153,6 +178,7 @@ class Engine:
         seed: int | None = None,
         until: Callable[[str], int] | None = None,
         progress: Callable[[int, int], None] | None = None,
+        grammar: Grammar | None = None,
     ) -> Generator[str | ChatResult, None, None]:
         """Yield text chunks as they are generated, then the final ``ChatResult``.
 
@@ -161,10 +187,12 @@ class Engine:
         agent's cache is kept as far as it got. ``progress(done, total)`` is called after
         each prefill chunk but the last (prompt tokens in the cache so far, of the
         prompt's), from the engine's thread, so a long cold prefill can be shown.
+        ``grammar`` constrains the reply (the messages already hold what its plan renders:
+        see ``kvshelf.structured.plan``).
         """
         p = _merged(params, max_tokens, temperature, top_p, stop, seed)
         inbox: queue.SimpleQueue[Event] = queue.SimpleQueue()
-        request = self._request(_agent(agent_id), messages, inbox.put, p, until=until)
+        request = self._request(_agent(agent_id), messages, inbox.put, p, until=until, grammar=grammar)
         request.progress = progress
         self._scheduler.submit(request)
         return self._drain(inbox, request)
@@ -192,12 +220,21 @@ class Engine:
         stop: str | Sequence[str] | None = None,
         seed: int | None = None,
         until: Callable[[str], int] | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        tool_choice: str | Mapping[str, Any] | None = None,
+        parallel_tool_calls: bool = True,
+        response_format: Mapping[str, Any] | None = None,
+        grammar: Grammar | None = None,
     ) -> ChatResult:
         """``chat`` for asyncio: the event loop is never blocked."""
         p = _merged(params, max_tokens, temperature, top_p, stop, seed)
-        async for item in self.astream(agent_id, messages, p, until=until):
+        plan = None
+        if tools is not None or response_format is not None:
+            plan = plan_output(tools, tool_choice, parallel_tool_calls, response_format)
+            messages, grammar, until = plan.messages(messages), plan.grammar, until or plan.until()
+        async for item in self.astream(agent_id, messages, p, until=until, grammar=grammar):
             if isinstance(item, ChatResult):
-                return item
+                return item if plan is None else _shaped(item, *plan.parse(item.text))
         raise RuntimeError("generation ended without a result")  # pragma: no cover
 
     async def astream(
@@ -212,6 +249,7 @@ class Engine:
         stop: str | Sequence[str] | None = None,
         seed: int | None = None,
         until: Callable[[str], int] | None = None,
+        grammar: Grammar | None = None,
     ) -> AsyncGenerator[str | ChatResult, None]:
         """``stream`` for asyncio: text chunks, then the final ``ChatResult``."""
         p = _merged(params, max_tokens, temperature, top_p, stop, seed)
@@ -221,7 +259,7 @@ class Engine:
         def emit(event: Event) -> None:
             loop.call_soon_threadsafe(inbox.put_nowait, event)
 
-        request = self._request(_agent(agent_id), messages, emit, p, until=until)
+        request = self._request(_agent(agent_id), messages, emit, p, until=until, grammar=grammar)
         self._scheduler.submit(request)
         try:
             while True:
@@ -298,9 +336,10 @@ class Engine:
         params: GenerationParams | None,
         *,
         until: Callable[[str], int] | None = None,
+        grammar: Grammar | None = None,
     ) -> Request:
         """Build a request (``params`` None: prefill only) from input checked here, in the
-        caller's thread, so bad input fails fast and alone."""
+        caller's thread, so bad input fails fast and alone (a grammar's matcher too)."""
         self._check_open()
         messages = validate_messages(messages)
         prompt = self._encode(messages)
@@ -323,7 +362,18 @@ class Engine:
             presence_penalty=params.presence_penalty,
         )
         max_tokens = min(params.max_tokens, self.loaded.context_length - len(prompt))
-        return Request(aid, prompt, max_tokens, sampler, list(params.stop), emit, until=until, boundaries=boundaries)
+        constraint = TokenConstraint(grammar, self._vocabulary) if grammar is not None else None
+        return Request(
+            aid,
+            prompt,
+            max_tokens,
+            sampler,
+            list(params.stop),
+            emit,
+            until=until,
+            boundaries=boundaries,
+            constraint=constraint,
+        )
 
     def _encode(self, messages: Sequence[Message]) -> list[int]:
         prompt = self.loaded.tokenizer.encode_prompt(self.loaded.template.render(messages))
@@ -451,6 +501,20 @@ def _merged(
     given = {"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p, "stop": stop, "seed": seed}
     changes: dict[str, Any] = {k: v for k, v in given.items() if v is not None}
     return replace(base, **changes) if changes else base
+
+
+def _last(items: Generator[str | ChatResult, None, None]) -> ChatResult:
+    for item in items:
+        if isinstance(item, ChatResult):
+            return item
+    raise RuntimeError("generation ended without a result")  # pragma: no cover
+
+
+def _shaped(result: ChatResult, content: str, calls: list[ToolCall]) -> ChatResult:
+    """``result`` as its plan reads it: the content (with the opening) and the calls."""
+    return replace(
+        result, text=content, tool_calls=calls, finish_reason="tool_calls" if calls else result.finish_reason
+    )
 
 
 def _shown(event: Event) -> str | ChatResult:

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from kvshelf.structured.tools import ToolCall
+
 CacheSource = Literal["hot", "warm", "cold", "none"]
 
 
@@ -22,7 +24,7 @@ class Usage:
 @dataclass
 class ChatResult:
     text: str
-    finish_reason: Literal["stop", "length"]
+    finish_reason: Literal["stop", "length", "tool_calls"]
     usage: Usage
     ttft_s: float
     total_s: float = 0.0
@@ -33,6 +35,9 @@ class ChatResult:
     """Durable engines only: True once the agent's record on disk holds this turn, False
     when its save failed (the agent is served from RAM and the save is retried). None
     when the engine does not wait for saves (the default: they are written behind)."""
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    """``Engine.chat(tools=...)`` only: the calls parsed out of the reply (``text`` is then
+    the content before them), with ``finish_reason`` "tool_calls"."""
 
 
 @dataclass

@@ -41,6 +41,7 @@ from kvshelf.runtime.results import CacheSource, ChatResult, Usage
 from kvshelf.runtime.sampling import Sampler
 from kvshelf.runtime.shelf import Shelf
 from kvshelf.storage.agent_id import AgentId
+from kvshelf.structured.constraint import TokenConstraint
 
 log = logging.getLogger(__name__)
 
@@ -121,6 +122,7 @@ class Request:
     until: Callable[[str], int] | None = None  # where the reply is complete (e.g. a JSON object), or -1
     progress: Callable[[int, int], None] | None = None  # (prompt tokens done, of) after each prefill chunk
     boundaries: tuple[int, ...] = ()  # prompt positions that end a message: checkpoint there
+    constraint: TokenConstraint | None = None  # the grammar's token mask (kvshelf.structured.constraint)
     cache: AgentCache | None = None
     restoring: Future | None = None
     planned: bool = False
@@ -365,6 +367,8 @@ class Scheduler:
     def _accept(self, r: Request, logits: mx.array) -> None:
         """Sample the next token, stream text, and decide whether ``r`` goes on."""
         assert r.sampler is not None
+        if r.constraint is not None:  # the only hook of constrained decoding: mask, then sample
+            logits = r.constraint.masked(logits)
         token = int(r.sampler(logits))
         if r.ttft is None:
             r.ttft = time.perf_counter() - r.t0
@@ -375,11 +379,14 @@ class Scheduler:
         else:
             r.generated.append(token)
             r.text = self._tokenizer.decode(r.generated)
+            complete = r.constraint is not None and r.constraint.advance(token)
             cut = min((i for i in (r.text.find(s) for s in stops) if i >= 0), default=-1)
             if r.until is not None and (end := r.until(r.text)) >= 0:
                 cut = end if cut < 0 else min(cut, end)
             if cut >= 0:
                 r.text, r.finish, done = r.text[:cut], "stop", True
+            elif complete:
+                r.finish, done = "stop", True
             elif len(r.generated) >= r.max_tokens:
                 done = True
             else:

@@ -1,8 +1,9 @@
 """One chat completion: from an OpenAI request to an engine turn, and back to OpenAI bodies.
 
-``prepare`` resolves the agent, renders tools and JSON mode into the messages (see
-``tools`` and ``json_mode`` for how, and for what happens when the model does not
-comply) and picks the engine's options. ``ReplyShaper`` turns the engine's text into
+``prepare`` resolves the agent, and has ``kvshelf.structured.plan`` render tools and
+JSON mode into the messages and choose the grammar that constrains the reply (so a
+forced call or a JSON reply always parses and matches its schema), and picks the
+engine's options. ``ReplyShaper`` turns the engine's text into
 content and tool calls, the same way for a streamed and a whole reply, so the two
 always agree.
 """
@@ -19,7 +20,6 @@ from typing import Any
 from kvshelf.errors import InvalidAgentId
 from kvshelf.runtime.engine import ChatResult, Engine
 from kvshelf.runtime.params import GenerationParams
-from kvshelf.serving import json_mode, tools
 from kvshelf.serving.errors_http import bad_request, error_body, error_response
 from kvshelf.serving.openai_api import (
     ChatCompletionRequest,
@@ -30,6 +30,8 @@ from kvshelf.serving.openai_api import (
     usage_body,
 )
 from kvshelf.storage.agent_id import AgentId
+from kvshelf.structured import json_mode, tools
+from kvshelf.structured.plan import plan_output
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +50,7 @@ class Turn:
     json_mode: bool
     parallel_tool_calls: bool
     options: dict[str, Any]  # Engine.stream keyword arguments
+    constrained: bool = False  # a grammar shapes the reply: a call cut by max_tokens is dropped, not repaired
 
 
 def _agent_id(req: ChatCompletionRequest, header: str | None) -> AgentId | None:
@@ -78,30 +81,14 @@ def prepare(req: ChatCompletionRequest, header_agent: str | None, defaults: Gene
     (``GenerationParams()`` unless given), the same for the server and the adapters."""
     defaults = defaults or GenerationParams()
     agent_id = _agent_id(req, header_agent)
-    offered = req.tools or []
-    names = [t.function.name for t in offered]
-    choice = req.tool_choice if req.tool_choice is not None else ("auto" if offered else "none")
-    if choice not in ("none", "auto") and not offered:
-        raise bad_request("tool_choice requires 'tools'; send the functions the model may call", "tool_choice")
-    if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
-        raise bad_request(
-            f"tool_choice names function {choice.function.name!r}, which is not in 'tools' ({', '.join(names)})",
-            "tool_choice",
-            "invalid_value",
-        )
-    use_tools = bool(offered) and choice != "none"
-    want_json = json_mode.wants_json(req.response_format.model_dump() if req.response_format else None)
-    extra = []
-    if use_tools:
-        extra.append(tools.tools_text([t.model_dump(exclude_none=True) for t in offered]))
-    if want_json:
-        extra.append(json_mode.instruction(req.response_format.model_dump()))  # type: ignore[union-attr]
-    messages = [m.model_dump(exclude_none=True) for m in req.messages]
-    messages = tools.with_system_text(tools.name_tool_results(messages), "\n\n".join(extra))
-    tool_choice = choice.model_dump() if isinstance(choice, NamedToolChoice) else choice
-    opening = tools.opening(tool_choice) if use_tools else (json_mode.OPENING if want_json else "")
-    if opening:
-        messages.append({"role": "assistant", "content": opening, "prefix": True})
+    choice = req.tool_choice.model_dump() if isinstance(req.tool_choice, NamedToolChoice) else req.tool_choice
+    plan = plan_output(
+        [t.model_dump(exclude_none=True) for t in req.tools or []],
+        choice,
+        req.parallel_tool_calls,
+        req.response_format.model_dump(exclude_none=True) if req.response_format else None,
+    )
+    messages = plan.messages([m.model_dump(exclude_none=True) for m in req.messages])
     options: dict[str, Any] = {
         "max_tokens": req.max_completion_tokens or req.max_tokens or defaults.max_tokens,
         "temperature": defaults.temperature if req.temperature is None else req.temperature,
@@ -116,11 +103,20 @@ def prepare(req: ChatCompletionRequest, header_agent: str | None, defaults: Gene
             frequency_penalty=req.frequency_penalty or 0.0,
             presence_penalty=req.presence_penalty or 0.0,
         )
-    if want_json and not use_tools:
-        options["until"] = json_mode.end_of_object(opening)
-    elif use_tools and opening:  # a forced call is one call: stop where it ends
-        options["until"] = tools.end_of_call(opening)
-    return Turn(agent_id, messages, opening, names if use_tools else [], want_json, req.parallel_tool_calls, options)
+    if (until := plan.until()) is not None:
+        options["until"] = until
+    if plan.grammar is not None:
+        options["grammar"] = plan.grammar
+    return Turn(
+        agent_id,
+        messages,
+        plan.opening,
+        plan.tool_names,
+        plan.json_mode,
+        req.parallel_tool_calls,
+        options,
+        constrained=plan.grammar is not None,
+    )
 
 
 class ReplyShaper:
@@ -128,7 +124,9 @@ class ReplyShaper:
 
     def __init__(self, turn: Turn) -> None:
         self.turn = turn
-        self.calls_parser = tools.ToolCallStream(turn.tool_names) if turn.tool_names else None
+        self.calls_parser = (
+            tools.ToolCallStream(turn.tool_names, repair=not turn.constrained) if turn.tool_names else None
+        )
         self.cutter = json_mode.JsonObjectCutter() if turn.json_mode and not self.calls_parser else None
         self.content = ""
 

@@ -17,9 +17,11 @@ never on the turn, so earlier turns stay byte-stable and the agent's cache is re
 A forced turn is one call: generation ends where the call's JSON object closes, or at
 the closing tag if the model writes it first (a small model often drops the last brace).
 
-Forcing by an opened turn is a best effort (kvshelf has no grammar-constrained
-decoding): if the model still produces no valid call, the reply comes back as plain
-content with ``finish_reason`` "stop" or "length", never as an invented call.
+The turn is also constrained by a grammar (``kvshelf.structured.grammar``), so a forced
+call always parses and its arguments match the tool's schema, and under "auto" a call
+once opened does too. Only ``max_tokens`` can still cut a call short; then, as for an
+unconstrained reply (``plan_output(constrained=False)``), the reply comes back as plain
+content with ``finish_reason`` "length", never as an invented call.
 
 Parsing is lenient: tagged calls (closing tag optional at the very end), fenced or bare
 JSON objects (or a list of them) with ``name`` and ``arguments`` (or ``parameters``).
@@ -27,7 +29,8 @@ Inside a tag, where the end of the call is known, a call whose JSON only lacks i
 closing brackets is completed (``complete_json_prefix``); anything else malformed is
 not a call.
 A call is accepted only if it names one of the offered functions and its arguments are
-a JSON object. The content is the text before the first valid call, and without a
+a JSON object; an exact repeat of an earlier call in the same reply (a small model's
+habit when parallel calls are allowed) is dropped. The content is the text before the first valid call, and without a
 valid call all of the text is content, so a failed call is never silently lost.
 """
 
@@ -41,7 +44,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvshelf.model.template import message_text
-from kvshelf.serving.json_mode import end_of_object
+from kvshelf.structured.json_mode import end_of_object
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 _FENCE = re.compile(r"^```[a-zA-Z]*\s*\n?(.*?)\n?```$", re.DOTALL)
@@ -198,12 +201,16 @@ def _json_value(text: str, trailing_ok: bool = False) -> Any:
         return None
 
 
-def parse_tool_calls(text: str, names: Sequence[str]) -> tuple[str, list[ToolCall]]:
+def parse_tool_calls(text: str, names: Sequence[str], *, repair: bool = True) -> tuple[str, list[ToolCall]]:
     """Split model text into (content, calls).
 
     The content is the text before the first valid call; what follows the calls is
     dropped (the model was told to write nothing there, and OpenAI's message puts no
     text after calls). Without a valid call, all the text is content.
+
+    ``repair=False`` (a constrained reply, whose calls are whole unless ``max_tokens``
+    cut the last one) drops a cut call instead of closing its brackets: closed, its
+    arguments could lack required fields.
     """
     allowed = frozenset(names)
     if OPEN not in text:
@@ -213,20 +220,22 @@ def parse_tool_calls(text: str, names: Sequence[str]) -> tuple[str, list[ToolCal
         if value is not None and len(whole) == len(items):
             return "", whole
         return text, []
-    content_end, calls, pos = len(text), [], 0
+    content_end, pos = len(text), 0
+    calls: list[ToolCall] = []
     while (start := text.find(OPEN, pos)) >= 0:
         end = text.find(CLOSE, start)
         # no closing tag: the reply ended, perhaps inside the tag (``</tool_call`` then end of turn)
         body_end, pos = (end, end + len(CLOSE)) if end >= 0 else (len(text) - _partial_tag(text, CLOSE), len(text))
         body = text[start + len(OPEN) : body_end]
         value = _json_value(body, trailing_ok=True)
-        if value is None and (completed := complete_json_prefix(body.strip())) is not None:
+        if value is None and repair and (completed := complete_json_prefix(body.strip())) is not None:
             value = json.loads(completed)  # cut short: a call only if its arguments were begun
             value = value if isinstance(value, dict) and ("arguments" in value or "parameters" in value) else None
         call = _as_call(value, allowed)
         if call is not None:
             content_end = min(content_end, start)
-            calls.append(call)
+            if not any((c.name, c.arguments) == (call.name, call.arguments) for c in calls):
+                calls.append(call)  # an exact repeat asks nothing new (small models repeat a call)
     return text[:content_end], calls
 
 
@@ -254,8 +263,9 @@ class ToolCallStream:
     returns (the content not yet shown, the calls).
     """
 
-    def __init__(self, names: Sequence[str]) -> None:
+    def __init__(self, names: Sequence[str], *, repair: bool = True) -> None:
         self.names = list(names)
+        self.repair = repair
         self.text = ""
         self.shown = 0
         self._held = False  # a tag or a JSON start was seen: hold the rest
@@ -280,7 +290,7 @@ class ToolCallStream:
         return out
 
     def finish(self) -> tuple[str, list[ToolCall]]:
-        content, calls = parse_tool_calls(self.text, self.names)
+        content, calls = parse_tool_calls(self.text, self.names, repair=self.repair)
         if not calls:
             return self.text[self.shown :], []
         # the shown part is the text before the first tag, i.e. a prefix of the content

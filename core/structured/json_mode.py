@@ -1,18 +1,17 @@
-"""``response_format`` JSON output, as a best effort with validation.
+"""``response_format`` JSON output: the instruction, the opening and the cut.
 
-kvshelf has no grammar-constrained decoding, so for ``json_object`` (and ``json_schema``,
-whose schema is shown to the model but not enforced) the server:
+For ``json_object`` and ``json_schema`` the turn:
 
-1. appends an instruction to the system text (the same every turn, so the cache is reused);
-2. opens the model's turn with ``{``, so the reply starts as an object;
-3. ends generation right where the top-level object closes (``end_of_object``), so no
-   tokens are spent on chatter after it;
-4. checks the result with ``json.loads``.
+1. gets an instruction in the system text (the same every turn, so the cache is reused),
+   with the schema for ``json_schema``;
+2. is opened with ``{`` when the value is an object, so the reply starts as one;
+3. is constrained by the schema's grammar (``kvshelf.structured.grammar``): the reply is
+   a JSON value that validates, and ends where it closes.
 
-When the reply still is not valid JSON (the model broke the syntax, or ``max_tokens``
-cut it short, in which case ``finish_reason`` is "length"), the text is returned as
-generated, as OpenAI's JSON mode does with a truncated reply, and a warning is logged.
-Clients should parse defensively, as they must with OpenAI.
+Only ``max_tokens`` can cut it short (``finish_reason`` "length"); the text is then
+returned as generated, as OpenAI's JSON mode does with a truncated reply, and a warning
+is logged. Unconstrained (``plan_output(constrained=False)``, for comparison), the reply
+ends where the top-level object closes (``end_of_object``) and may not be valid at all.
 """
 
 from __future__ import annotations

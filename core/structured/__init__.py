@@ -1,0 +1,1 @@
+"""Structured output: tools and JSON in the prompt, grammars that constrain the reply, calls out of it."""

@@ -1,0 +1,111 @@
+"""A per-request token mask: the grammar's allowed next tokens, applied before sampling.
+
+Each constrained request carries a ``TokenConstraint`` (an llguidance matcher over the
+model's vocabulary). The scheduler calls ``masked(logits)`` right before it samples a
+request's next token, and ``advance(token)`` after: free and constrained requests share
+one batched decode step, and a free request pays nothing.
+
+The mask is computed off the critical path: as soon as a token is accepted, the next
+mask is computed on a small thread pool (llguidance releases the GIL), while the model
+runs the next decode step; ``masked`` only waits for it in the rare step where the
+forward pass was faster. ``benchmarks/structured.py`` measures what is left.
+
+The KV cache never sees any of this: a mask only narrows the choice of the next token,
+and the tokens chosen are cached, saved and restored like any others.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import llguidance
+import mlx.core as mx
+import numpy as np
+
+from kvshelf.errors import InvalidSchema
+from kvshelf.model.loader import TextTokenizer
+from kvshelf.structured.grammar import Grammar
+
+log = logging.getLogger(__name__)
+
+_POOL = ThreadPoolExecutor(max_workers=max(1, min(4, (os.cpu_count() or 2) - 1)), thread_name_prefix="kvshelf-mask")
+
+
+class Vocabulary:
+    """llguidance's view of one model's tokenizer: the bytes of every token, and which
+    tokens end a reply. Built on first use (about 3 s for Gemma 3's 262k tokens), once
+    per engine, and shared by every request."""
+
+    def __init__(self, tokenizer: TextTokenizer) -> None:
+        self._tokenizer = tokenizer
+        self._built: llguidance.LLTokenizer | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def llg(self) -> llguidance.LLTokenizer:
+        with self._lock:
+            if self._built is None:
+                stops = sorted(self._tokenizer.stop_ids)
+                self._built = llguidance.LLTokenizer(
+                    self._tokenizer.tokenizer.to_str(), eos_token=stops or None, slices=None
+                )
+            return self._built
+
+    def encode(self, text: str) -> list[int]:
+        return self._tokenizer.encode(text)
+
+
+class TokenConstraint:
+    """One request's grammar state: which tokens may come next, and whether it is done."""
+
+    def __init__(self, grammar: Grammar, vocabulary: Vocabulary) -> None:
+        vocab = vocabulary.llg
+        self._matcher = llguidance.LLMatcher(vocab, grammar.source, log_level=0)
+        if grammar.opening and not self._matcher.is_error():
+            self._matcher.consume_tokens(vocabulary.encode(grammar.opening))
+        if self._matcher.is_error():
+            raise InvalidSchema(f"the grammar cannot be used: {self._matcher.get_error().splitlines()[0]}")
+        self._size = vocab.vocab_size
+        self.grammar = grammar
+        self.steps = 0
+        self.waited_s = 0.0  # time ``masked`` spent waiting for a mask (the cost left on the step)
+        self._next: Future[bytes] = _POOL.submit(self._matcher.compute_bitmask)
+
+    @property
+    def done(self) -> bool:
+        """The grammar is complete and admits nothing more (end the reply now)."""
+        return self._matcher.is_stopped()
+
+    def allowed(self) -> np.ndarray:
+        """The next token's mask, one bool per token id (waits for the prefetch)."""
+        t0 = time.perf_counter()
+        bits = self._next.result()
+        self.waited_s += time.perf_counter() - t0
+        return np.unpackbits(np.frombuffer(bits, dtype=np.uint8), bitorder="little")[: self._size].astype(bool)
+
+    def masked(self, logits: mx.array) -> mx.array:
+        """``logits`` (vocab,) with every token the grammar refuses set to -inf."""
+        allowed = self.allowed()
+        width = logits.shape[-1]
+        if width != allowed.shape[0]:  # a model's head may be padded past the tokenizer
+            allowed = np.pad(allowed, (0, max(0, width - allowed.shape[0])))[:width]
+        if not allowed.any():  # an error state: only the reply's end is left
+            log.warning("constrained decoding: the grammar admits no token (%s)", self._matcher.get_error())
+        return mx.where(mx.array(allowed), logits, mx.array(-mx.inf, dtype=logits.dtype))
+
+    def advance(self, token: int) -> bool:
+        """Accept the sampled ``token``; True when the reply is complete (or cannot go on).
+
+        The next mask starts computing at once, beside the next decode step."""
+        self.steps += 1
+        if not self._matcher.consume_token(token):
+            log.warning("constrained decoding: token %d refused (%s)", token, self._matcher.get_error())
+            return True
+        if self._matcher.is_stopped():
+            return True
+        self._next = _POOL.submit(self._matcher.compute_bitmask)
+        return False
