@@ -80,8 +80,19 @@ def run_crew(cache_dir: str, max_tokens: int, model: str = "embedded") -> dict:
         allow_delegation=True,
         max_iter=3,
     )
+    # Task 1 carries a long brief, as real tasks often do: the manager's history passes the
+    # sliding window (512 tokens plus a slack block), so task 2 can reuse its system
+    # prompt only through the checkpoint.
+    brief = " ".join(
+        f"Point {i}: the cache of agent {i} holds {i * 256} tokens and is restored from disk in {i} ms."
+        for i in range(1, 31)
+    )
     tasks = [
-        Task(name="task-1", description="List two facts about KV caches.", expected_output="Two facts."),
+        Task(
+            name="task-1",
+            description=f"Read this brief, then list two facts about KV caches from it. Brief: {brief}",
+            expected_output="Two facts.",
+        ),
         Task(name="task-2", description="Write one sentence about prefix reuse.", expected_output="One sentence."),
     ]
     crew = Crew(
