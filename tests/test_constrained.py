@@ -229,6 +229,22 @@ def test_schemas_are_closed_where_they_leave_other_keys_open():
     assert out["properties"]["properties"]["properties"]["a"] == {"const": {"properties": 1}}  # data, untouched
     assert "additionalProperties" not in schema  # the caller's schema is not changed
     assert json_grammar({"type": "array"}).opening == "" and json_grammar(None).opening == "{"
+    bounded = closed({"type": "object", "properties": {"n": {"type": "integer", "minimum": 1}}})["properties"]["n"]
+    assert bounded == {"type": "integer", "minimum": 1, "maximum": 2**53 - 1}  # no endless digits
+
+
+def test_an_integer_without_bounds_cannot_run_on_forever():
+    import llguidance
+
+    from kvshelf.model.loader import TextTokenizer
+    from kvshelf.structured.constraint import Vocabulary
+    from tests.support.tiny import byte_tokenizer
+
+    vocab = Vocabulary(TextTokenizer(byte_tokenizer(), None, frozenset({0})))
+    grammar = json_grammar({"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]})
+    digits = vocab.encode('{"n": ' + "1" * 30)
+    accepted = llguidance.LLMatcher(vocab.llg, grammar.source, log_level=0).try_consume_tokens(digits)
+    assert accepted == len('{"n": ') + 16  # 1111111111111111 < 2**53 - 1 < 11111111111111111
 
 
 # -- over HTTP ------------------------------------------------------------------------------------

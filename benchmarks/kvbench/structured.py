@@ -235,6 +235,8 @@ def run(ctx: BenchContext) -> dict:
             flush=True,
         )
         rows.append(row)
+        with open(ctx.out_dir / "structured-rows.jsonl", "a") as log:  # a run cut short keeps its rows
+            log.write(json.dumps(row, default=str) + "\n")
     summary = _summary(rows)
     return {
         "title": TITLE,

@@ -13,6 +13,8 @@ Schemas are closed where they leave it open: an object schema with ``properties`
 no ``additionalProperties`` gets ``additionalProperties: false`` (what xgrammar's strict
 mode and OpenAI's ``strict`` do). JSON Schema's own default would let the model add keys
 of its own, which is exactly how small models fail a schema (they copy the schema in).
+An integer without bounds gets JSON's interoperable range, ±(2**53 - 1) (RFC 8259), so
+a model cannot write digits until ``max_tokens`` (a number's fraction still can).
 
 The tool-call grammar follows the calling convention in ``tools``: ``<tool_call>``, a
 ``{"name": ..., "arguments": ...}`` object whose arguments match that tool's schema,
@@ -38,6 +40,7 @@ from kvshelf.structured.tools import CLOSE, OPEN
 JSON_STYLE: dict[str, Any] = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 ANY_OBJECT: dict[str, Any] = {"type": "object"}
 NO_ARGUMENTS: dict[str, Any] = {"type": "object", "properties": {}}
+SAFE_INTEGER = 2**53 - 1  # RFC 8259's interoperable integer range (JavaScript's Number.MAX_SAFE_INTEGER)
 _VALUES = frozenset({"const", "enum", "default", "examples", "required"})  # JSON data, not schemas
 _NAMED = ("properties", "$defs", "definitions", "patternProperties", "dependentSchemas")
 
@@ -57,7 +60,8 @@ class Grammar:
 
 def closed(schema: Any) -> Any:
     """A copy of ``schema`` in which every object schema that lists ``properties`` but
-    says nothing of others gets ``additionalProperties: false``."""
+    says nothing of others gets ``additionalProperties: false``, and every integer
+    without bounds the safe range."""
     if isinstance(schema, list):
         return [closed(s) for s in schema]
     if not isinstance(schema, Mapping):
@@ -68,6 +72,13 @@ def closed(schema: Any) -> Any:
             out[names] = {k: closed(v) for k, v in schema[names].items()}
     if "properties" in out and "additionalProperties" not in out and "patternProperties" not in out:
         out["additionalProperties"] = False
+    kinds = out.get("type")
+    if kinds == "integer" or (isinstance(kinds, list) and "integer" in kinds):
+        # a small model may write digits until max_tokens: bound what the schema leaves open
+        if "maximum" not in out and "exclusiveMaximum" not in out:
+            out["maximum"] = SAFE_INTEGER
+        if "minimum" not in out and "exclusiveMinimum" not in out:
+            out["minimum"] = -SAFE_INTEGER
     return out
 
 
