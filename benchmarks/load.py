@@ -113,11 +113,12 @@ class ReadOnlyWindow:
         print("store writable again", flush=True)
 
     def excuses(self, t_sent: float) -> bool:
-        """Whether a request sent at ``t_sent`` may honestly be told saved: false / 503."""
+        """Whether a request sent at ``t_sent`` and answered now may honestly be told
+        saved: false / 503: it was in flight at some moment of the window (or of the grace after it)."""
         if self.began is None:
             return False
         end = (self.ended or time.monotonic()) + self.GRACE_S
-        return self.began - 5.0 <= t_sent <= end
+        return t_sent <= end and time.monotonic() >= self.began
 
     def summary(self) -> dict:
         if self.skipped or self.began is None:

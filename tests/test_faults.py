@@ -352,8 +352,8 @@ def test_deleting_the_store_under_a_server_stops_its_saves_and_a_second_server_i
     """``rm -rf`` of the store used to take the lock file with it: the next save recreated
     the directory, a second server started on it, and each could write back what the
     other erased. The claim is on the path and the inode, neither of them a file."""
-    first, url = start_server(llama, tmp_path)
     store = store_of(llama, tmp_path)
+    first, url = start_server(llama, tmp_path)
     body = {"model": "x", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
     try:
         wait_up(first, url)

@@ -334,8 +334,16 @@ class Scheduler:
                 if settled is None:
                     r.emit(Prefilled(result, r.cached))
                 else:  # a durable shelf answers once the save has ended, saying how it went
-                    emit, cached = r.emit, r.cached
-                    settled.add_done_callback(lambda f: emit(Prefilled(result, cached, f.result())))
+                    # A done future keeps its callbacks: hand over through a box emptied on
+                    # use, so the logits and the caller's emit (which may hold the request
+                    # and its cache) are not kept alive with the agent's last save.
+                    box = [(r.emit, result, r.cached)]
+
+                    def deliver(f: Future) -> None:
+                        emit, logits, cached = box.pop()
+                        emit(Prefilled(logits, cached, f.result()))
+
+                    settled.add_done_callback(deliver)
             else:
                 self._accept(r, logits)
             return True
