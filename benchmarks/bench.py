@@ -27,7 +27,7 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--model", default="embedded", help="'embedded', an mlx-lm model dir, or a HF repo id")
     bench.add_argument("--out", type=Path, default=None, help="report directory (default: benchmarks/results/<date>)")
     bench.add_argument(
-        "--sections", default=None, help="comma-separated subset of: ttft,capacity,quality,routing,phases,peer"
+        "--sections", default=None, help="comma-separated subset of: ttft,capacity,quality,decode,routing,phases,peer"
     )
     bench.add_argument(
         "--set",
