@@ -86,7 +86,7 @@ def build_model(name: str) -> nn.Module:
     raise ValueError(f"unknown model {name!r}; known: embedded, llama30")
 
 
-PATHS = ("mlx-lm", "default", "q4", "per-step", "head-only")
+PATHS = ("mlx-lm", "default", "q4", "per-step", "head-only", "one-row-sgemv")
 
 
 def run(
@@ -102,6 +102,7 @@ def run(
         wbytes = weight_bytes(model)
         fast = with_fast_linears(model)  # what the engine runs: sgemv at batch 1, BLIS for a few rows
         head_only = with_fast_head(model)  # the previous engine path: only the batch-1 head through sgemv
+        one_row = with_fast_linears(model, one_row=True)  # batch 1's layer projections through sgemv too
         floor_ms = wbytes / (gbs * 1e9) * 1e3
         print(f"\n{name}: {len(spec.layers)} layers, weights {wbytes / 1e9:.3f} GB, floor {floor_ms:.1f} ms/step")
         for context in contexts:
@@ -123,6 +124,8 @@ def run(
                     kinds: list[tuple[bool, str, Any]] = [(True, scheme, fast)]
                     if "head-only" in paths:
                         kinds.append((True, f"{scheme} head-only sgemv", head_only))
+                    if "one-row-sgemv" in paths:
+                        kinds.append((True, f"{scheme} one-row sgemv", one_row))
                     if "per-step" in paths:
                         kinds.append((False, f"{scheme} per-step", model))
                     for working, path, forward in kinds:
