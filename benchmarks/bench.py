@@ -29,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument(
         "--sections",
         default=None,
-        help="comma-separated subset of: ttft,capacity,quality,routing,phases,peer,structured",
+        help="comma-separated subset of: ttft,capacity,quality,decode,routing,phases,peer,store,structured",
     )
     bench.add_argument(
         "--set",

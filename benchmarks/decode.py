@@ -35,8 +35,7 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import kvshelf  # noqa: F401  (preloads OpenBLAS, which must come before mlx)
@@ -44,18 +43,16 @@ import kvshelf  # noqa: F401  (preloads OpenBLAS, which must come before mlx)
 # isort: split
 import mlx.core as mx
 import mlx.nn as nn
-import numpy as np
 from common import RESULTS, write_json
-from mlx.utils import tree_flatten, tree_map
+from mlx.utils import tree_map
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import _get_classes
 
+from kvbench.decode_steps import bandwidth_gbs, fill, kv_bytes, step_ms, weight_bytes
 from kvshelf.kv.agent_cache import AgentCache
-from kvshelf.kv.batch import batch_views
 from kvshelf.kv.schemes import DEFAULT_SCHEME, SCHEMES
-from kvshelf.kv.working_set import WorkingSets
 from kvshelf.model.gemv import with_fast_linears
-from kvshelf.model.head import ProjectedModel, with_fast_head
+from kvshelf.model.head import with_fast_head
 from kvshelf.model.loader import load, materialize
 from kvshelf.model.spec import ModelCacheSpec
 
@@ -75,8 +72,6 @@ LLAMA30 = dict(
     rope_theta=100000.0,
 )
 
-FILL_CHUNK = 1024
-
 
 def build_model(name: str) -> nn.Module:
     if name == "embedded":
@@ -91,83 +86,7 @@ def build_model(name: str) -> nn.Module:
     raise ValueError(f"unknown model {name!r}; known: embedded, llama30")
 
 
-def weight_bytes(model: nn.Module) -> int:
-    params = tree_flatten(model.parameters())
-    assert isinstance(params, list)  # (name, array) pairs: a dict comes back only for a dict destination
-    return sum(v.nbytes for _, v in params)
-
-
-def bandwidth_gbs(megabytes: int = 512, repeats: int = 7) -> dict[str, float]:
-    """Read bandwidth: the best of several full passes over a large array (MLX and numpy)."""
-    n = megabytes * 2**20 // 4
-    a = mx.random.uniform(shape=(n,))
-    mx.eval(a)
-    best_mx = min(_timed(lambda: mx.eval(mx.sum(a))) for _ in range(repeats))
-    b = np.asarray(a)
-    best_np = min(_timed(lambda: float(b.sum())) for _ in range(repeats))
-    nbytes = n * 4
-    return {"mlx_sum_gbs": nbytes / best_mx / 1e9, "numpy_sum_gbs": nbytes / best_np / 1e9}
-
-
-def _timed(fn: Callable[[], Any]) -> float:
-    t = time.perf_counter()
-    fn()
-    return time.perf_counter() - t
-
-
-def fill(layers: list[Any], spec: ModelCacheSpec, context: int, seed: int) -> None:
-    """Feed ``context`` random tokens' K/V to every layer, in chunks (windows trim as they go)."""
-    key = mx.random.key(seed)
-    for layer, c in zip(spec.layers, layers):
-        for done in range(0, context, FILL_CHUNK):
-            n = min(FILL_CHUNK, context - done)
-            key, k1, k2 = mx.random.split(key, 3)
-            k = mx.random.normal((1, layer.kv_heads, n, layer.k_head_dim), key=k1)
-            v = mx.random.normal((1, layer.kv_heads, n, layer.v_head_dim), key=k2)
-            c.update_and_fetch(k, v)
-            mx.eval([x for x in _state(c) if x is not None])
-
-
-def _state(c: Any) -> list[mx.array]:
-    out: list[mx.array] = []
-    for name in ("keys", "values", "k_tail", "sink_k", "sink_v"):
-        x = getattr(c, name, None)
-        if isinstance(x, tuple):
-            out.extend(x)
-        elif isinstance(x, mx.array):
-            out.append(x)
-    return out
-
-
-def step_ms(
-    model: nn.Module | ProjectedModel, agents: list[list[Any]], steps: int, warmup: int, working: bool = False
-) -> tuple[list[float], int]:
-    """Milliseconds per decode step for these agents decoding together (one token each),
-    and the working set's bytes (``working``: the scheduler's path; else per-step)."""
-    batch = len(agents)
-    x = mx.array([[1]] * batch)
-    times = []
-    ws = WorkingSets()
-    for i in range(warmup + steps):
-        t = time.perf_counter()
-        caches: list[Any]
-        if working:
-            caches = ws.caches(list(range(batch)), agents)
-        else:
-            caches = agents[0] if batch == 1 else batch_views(agents)
-        logits = model(x, cache=caches)[:, -1]
-        token = mx.argmax(logits, axis=-1)
-        mx.eval(token, [a for layers in agents for c in layers for a in _state(c)], ws.arrays())
-        if i >= warmup:
-            times.append((time.perf_counter() - t) * 1e3)
-    return times, ws.nbytes
-
-
-def kv_bytes(agents: list[list[Any]]) -> int:
-    return sum(a.nbytes for layers in agents for c in layers for a in _state(c))
-
-
-PATHS = ("mlx-lm", "default", "q4", "per-step", "head-only")
+PATHS = ("mlx-lm", "default", "q4", "per-step", "head-only", "one-row-sgemv")
 
 
 def run(
@@ -183,6 +102,7 @@ def run(
         wbytes = weight_bytes(model)
         fast = with_fast_linears(model)  # what the engine runs: sgemv at batch 1, BLIS for a few rows
         head_only = with_fast_head(model)  # the previous engine path: only the batch-1 head through sgemv
+        one_row = with_fast_linears(model, one_row=True)  # batch 1's layer projections through sgemv too
         floor_ms = wbytes / (gbs * 1e9) * 1e3
         print(f"\n{name}: {len(spec.layers)} layers, weights {wbytes / 1e9:.3f} GB, floor {floor_ms:.1f} ms/step")
         for context in contexts:
@@ -204,6 +124,8 @@ def run(
                     kinds: list[tuple[bool, str, Any]] = [(True, scheme, fast)]
                     if "head-only" in paths:
                         kinds.append((True, f"{scheme} head-only sgemv", head_only))
+                    if "one-row-sgemv" in paths:
+                        kinds.append((True, f"{scheme} one-row sgemv", one_row))
                     if "per-step" in paths:
                         kinds.append((False, f"{scheme} per-step", model))
                     for working, path, forward in kinds:

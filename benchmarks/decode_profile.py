@@ -9,6 +9,8 @@ shape) at one context length, medians of a few repeats:
   over mlx-lm's own fp32 KV cache, and the body over an empty context
   (one cached token: what the layers cost without attention's reads);
 - the working set's update and fetch alone, and attention alone over what it fetched;
+- un-rotating each layer's new value row (what the working set does per step) against
+  un-rotating each layer's attention output instead (issue 14's "once per head");
 - every layer's linear projections (q/k/v/o, gate/up/down), one row each, as MLX's
   matmul runs them (``cblas_sgemm`` with one row) and as ``cblas_sgemv`` runs them on
   the same weights, summed over the layers;
@@ -34,9 +36,10 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 from common import write_json
-from decode import bandwidth_gbs, build_model, fill, weight_bytes
+from decode import build_model
 from mlx_lm.models.cache import make_prompt_cache
 
+from kvbench.decode_steps import bandwidth_gbs, fill, weight_bytes
 from kvshelf.kv.agent_cache import AgentCache
 from kvshelf.kv.schemes import DEFAULT_SCHEME, SCHEMES
 from kvshelf.kv.working_set import WorkingSets
@@ -129,6 +132,19 @@ def profile(name: str, context: int, repeats: int, gbs: float) -> dict[str, Any]
         mx.eval(outs)
 
     out["sdpa_ms"] = round(median_ms(attention, repeats), 1)
+
+    # Issue 14's "undo the value rotation once per head, not per row": with the working
+    # set a step un-rotates one new value row per layer (kv_heads x head_dim); moving the
+    # inverse rotation to the attention output would un-rotate n_heads rows instead.
+    new_rows = [mx.random.normal((1, s.kv_heads, 1, s.v_head_dim)) for s in spec.layers]
+    outputs = [mx.random.normal((1, heads, 1, s.v_head_dim)) for s in spec.layers]
+    mx.eval(new_rows, outputs)
+    out["unrotate_new_value_rows_ms"] = round(
+        median_ms(lambda: mx.eval([mx.hadamard_transform(r) for r in new_rows]), repeats), 2
+    )
+    out["unrotate_attention_outputs_ms"] = round(
+        median_ms(lambda: mx.eval([mx.hadamard_transform(r) for r in outputs]), repeats), 2
+    )
     del layers
 
     rows = [mx.random.normal((1, 1, m.weight.shape[1])) for m in linears]

@@ -196,3 +196,33 @@ def test_embedded_model_is_bit_identical_across_a_block_and_a_window_move(embedd
     _, got = decode(embedded_loaded, [mine], [first], steps, working)
     assert_identical(got, want)
     assert any(c.window and c.start > 0 for c in mine.layers)
+
+
+@pytest.mark.parametrize("scheme", list(SCHEMES))
+def test_coded_rows_of_a_batch_are_each_members_own_rows(models, scheme):
+    """The working set codes all members' new rows in one call; each row is what that
+    member's ``attention_rows`` reads back after its own append, bit for bit (sinks and
+    a filled key block excepted, which the working set re-reads per member)."""
+    loaded = models["llama"]
+    layer = loaded.spec.layers[0]
+    members = []
+    for n in (3, 40, 300):  # one inside the sinks, one mid-block, one past a block
+        cache = AgentCache.empty(loaded.spec, SCHEMES[scheme]).layers[0]
+        rng = np.random.default_rng(n)
+        kv = [mx.array(rng.standard_normal((1, layer.kv_heads, n, d)).astype(np.float32)) for d in (64, 64)]
+        cache.update_and_fetch(*kv)
+        members.append(cache)
+    keys, values = (mx.random.normal((3, layer.kv_heads, 1, 64), key=mx.random.key(s)) for s in (1, 2))
+    dense = not all(m.QUANTIZED_DECODE for m in members)
+    coded = [x if isinstance(x, tuple) else (x,) for x in members[0].coded_rows(keys, values, mx.float32, dense)]
+    checked = 0
+    for b, m in enumerate(members):
+        at, stable = m.offset, m.stable_until
+        m.append(keys[b : b + 1], values[b : b + 1])
+        if m.own_rows_at(at) or stable < at < m.stable_until:  # a sink, or a key block filled
+            continue
+        own = [x if isinstance(x, tuple) else (x,) for x in m.attention_rows(at, m.offset, mx.float32, dense)]
+        for mine, batch in zip(own, coded):
+            assert all(mx.array_equal(x, y[b : b + 1]).item() for x, y in zip(mine, batch))
+        checked += 1
+    assert checked >= 2

@@ -18,7 +18,19 @@ import time
 import traceback
 from pathlib import Path
 
-from kvbench import capacity, machine, peer, phase_section, quality, report, routing, store_scale, structured, ttft
+from kvbench import (
+    capacity,
+    decode_section,
+    machine,
+    peer,
+    phase_section,
+    quality,
+    report,
+    routing,
+    store_scale,
+    structured,
+    ttft,
+)
 from kvbench.context import BenchContext
 from kvbench.settings import MODES, Settings
 
@@ -26,6 +38,7 @@ MODULES = {
     "ttft": ttft,
     "capacity": capacity,
     "quality": quality,
+    "decode": decode_section,
     "routing": routing,
     "phases": phase_section,
     "peer": peer,

@@ -12,7 +12,7 @@ import os
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
-SECTIONS = ("ttft", "capacity", "quality", "phases", "routing", "peer", "store", "structured")
+SECTIONS = ("ttft", "capacity", "quality", "decode", "phases", "routing", "peer", "store", "structured")
 
 
 @dataclass(frozen=True)
@@ -38,6 +38,11 @@ class Settings:
     routing_questions: int = 20  # after the priming question to each expert
     routing_max_tokens: int = 16
     routing_resident_experts: float = 3.5  # the RAM budget, in experts
+    # Decode (kvbench.decode_section): ms per step at these contexts and batch sizes
+    decode_contexts: tuple[int, ...] = (1024, 4096, 16384)
+    decode_batches: tuple[int, ...] = (1, 4, 8)
+    decode_steps: int = 5
+    decode_warmup: int = 2
     # Phases (kvbench.phases): generated tokens per turn, 0 = the scenario's own default
     phases_max_tokens: int = 0
     # Against the peer (mlx_lm.server) over HTTP
@@ -69,6 +74,8 @@ QUICK = Settings(
     capacity_budget=256 << 20,
     ppl_tokens=1024,
     ppl_schemes=("q4-g64-per-token-v1", "q4-g64-kivi-rotv"),
+    decode_contexts=(1024,),
+    decode_steps=3,
     routing_doc_tokens=512,
     routing_questions=10,
     peer_doc_tokens=512,

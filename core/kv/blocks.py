@@ -260,6 +260,20 @@ class QuantizedLayerCache(PackedFetch, _BaseCache):
             return k, v
         return self._dequantize(k, dtype), self._dequantize(v, dtype)
 
+    def coded_rows(self, keys: mx.array, values: mx.array, dtype: mx.Dtype, dense: bool = False) -> tuple[Any, Any]:
+        """What ``attention_rows`` returns for ``keys``/``values`` once they are appended,
+        computed from them directly: coding is row by row, so one call serves the new rows
+        of a whole decode batch. Exact unless ``own_rows_at`` says otherwise."""
+        k, v = self._quantize(keys), self._quantize(values)
+        if self.QUANTIZED_DECODE and not dense:
+            return k, v
+        return self._dequantize(k, dtype), self._dequantize(v, dtype)
+
+    def own_rows_at(self, position: int) -> bool:
+        """Whether a row appended at ``position`` reads back other than ``coded_rows`` says
+        (a sink's fp16 copy); a filled per-channel key block shows in ``stable_until``."""
+        return False
+
     @property
     def stable_until(self) -> int:
         """Positions below this keep their ``attention_rows`` until the cache is rewound;

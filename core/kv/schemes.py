@@ -211,6 +211,18 @@ class SchemeLayerCache(QuantizedLayerCache):
             k = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=2)
         return self._sink_rows(k, self.sink_k, lo, hi), self._sink_rows(v, self.sink_v, lo, hi)
 
+    def coded_rows(self, keys: mx.array, values: mx.array, dtype: mx.Dtype, dense: bool = False) -> tuple[Any, Any]:
+        sch = self.scheme
+        v = self._dequantize(self._code(values, sch.rotate_values), dtype)
+        v = _rotate(v) if sch.rotate_values else v
+        if sch.channel_keys:  # a new key waits in the fp16 tail
+            return keys.astype(FP16).astype(dtype), v
+        k = self._dequantize(self._code(keys, sch.rotate_keys), dtype)
+        return (_rotate(k) if sch.rotate_keys else k), v
+
+    def own_rows_at(self, position: int) -> bool:
+        return position < self.scheme.sinks
+
     def _sink_rows(self, x: mx.array, sink: mx.array | None, lo: int, hi: int) -> mx.array:
         """``_with_sinks`` for rows ``lo..hi``: sink positions among them read the fp16 copy."""
         if sink is None or self.start != 0 or lo >= sink.shape[2]:

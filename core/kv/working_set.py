@@ -11,11 +11,13 @@ un-rotated for the schemes' dense path, packed triples for plain Q4's
 - made once when the decode run starts (or taken over from the previous run for the
   members that stay), dropped when the run ends or its membership changes;
 - each step a member's new token is stored in its Q4 blocks as before (``append``),
-  then only that token's row is read back (``attention_rows`` of one position) and
-  written into the buffer's next column. Where the append filled a per-channel key
-  block (KIVI), the block's rows, until then fp16 tail rows, are read back and replace
-  the buffer's. So every value attention sees is the one the cache's own ``fetch`` would
-  return, and the step's results are bit-identical to the per-step dense path;
+  and the new rows of all members are coded once, together (``coded_rows``: exactly
+  what each member's ``attention_rows`` of that position returns, coding being row by
+  row) and written into the buffer's next column. Where the append filled a
+  per-channel key block (KIVI), the block's rows, until then fp16 tail rows, are read
+  back and replace the buffer's; so are a sink's (its fp16 copy). So every value
+  attention sees is the one the cache's own ``fetch`` would return, and the step's
+  results are bit-identical to the per-step dense path;
 - the buffer is left-padded so that every member's next token lands in the same column;
   attention gets the last ``max(length)`` columns, which is exactly the layout (and the
   mask, per-agent RoPE offsets and windows) of ``BatchLayerView``. Columns a member does
@@ -117,24 +119,24 @@ class DecodeLayer(BatchLayerView):
         self._make_room()
         kbuf, vbuf = self.keys, self.values
         assert kbuf is not None and vbuf is not None
-        new_k: list[Rows] = []
-        new_v: list[Rows] = []
-        refreshed: list[tuple[int, int, Rows, Rows]] = []
+        olds = [m.offset for m in self.members]
+        stables = [m.stable_until for m in self.members]
         for b, m in enumerate(self.members):
-            stable, old = m.stable_until, m.offset
             m.append(keys[b : b + 1], values[b : b + 1])
-            lo = stable if m.stable_until > stable else old  # a key block filled: re-read it
-            k, v = (_rows(x) for x in m.attention_rows(lo, m.offset, keys.dtype, self._dense))
-            new_k.append(tuple(x[..., -1:, :] for x in k))
-            new_v.append(tuple(x[..., -1:, :] for x in v))
-            if lo < old:
-                refreshed.append((b, old - lo, k, v))
+        # Every member's new row at once: coding is row by row, so this is what each
+        # member's own ``attention_rows`` of that row would give.
+        new_k, new_v = (_rows(x) for x in self.members[0].coded_rows(keys, values, keys.dtype, self._dense))
         col = self.end
-        self._write(kbuf, slice(None), col, [mx.concatenate(list(p), axis=0) for p in zip(*new_k)])
-        self._write(vbuf, slice(None), col, [mx.concatenate(list(p), axis=0) for p in zip(*new_v)])
-        for b, n, k, v in refreshed:
-            self._write(kbuf, slice(b, b + 1), col - n, [x[..., :n, :] for x in k])
-            self._write(vbuf, slice(b, b + 1), col - n, [x[..., :n, :] for x in v])
+        self._write(kbuf, slice(None), col, list(new_k))
+        self._write(vbuf, slice(None), col, list(new_v))
+        for b, m in enumerate(self.members):
+            # A key block filled (rows stables[b]..olds[b] changed) or a sink: re-read them.
+            lo = min(stables[b], olds[b]) if m.stable_until > stables[b] else olds[b]
+            if lo == olds[b] and not m.own_rows_at(olds[b]):
+                continue
+            k, v = (_rows(x) for x in m.attention_rows(lo, m.offset, keys.dtype, self._dense))
+            self._write(kbuf, slice(b, b + 1), col + 1 - k[0].shape[2], list(k))
+            self._write(vbuf, slice(b, b + 1), col + 1 - v[0].shape[2], list(v))
         self.end = col + 1
         self.synced = [m.offset for m in self.members]
         width = max(m.offset - m.start for m in self.members)

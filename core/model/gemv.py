@@ -1,26 +1,27 @@
-"""The layers' projections at batch 1 through ``sgemv``, as the output projection is.
+"""The layers' projections of a decode batch through BLIS (one row optionally through sgemv).
 
-A decode step at batch 1 multiplies one row by every weight matrix of every layer
-(q/k/v/o, gate/up/down). MLX's CPU backend runs each as a 1-row ``cblas_sgemm``, which
-OpenBLAS 0.3.21 runs as a full matrix-matrix product: it packs the whole weight before
-using it once. ``benchmarks/decode_profile.py`` measured the 126 projections of the
-embedded Gemma 3 at about 2x what ``cblas_sgemv`` takes on the same weights (e.g. 42.7
-against 19.5 ms, load 0.6-1.0), the largest piece of a step after the head.
+A decode step multiplies one row per agent by every weight matrix of every layer
+(q/k/v/o, gate/up/down). MLX's CPU backend runs each as ``cblas_sgemm``, which OpenBLAS
+0.3.21 runs as a full matrix-matrix product that packs the weight before using it once.
+``benchmarks/decode_profile.py`` measured the 126 one-row projections of the embedded
+Gemma 3 at 38.5 ms through MLX and 19.2 ms through ``cblas_sgemv`` (load 1.1-1.3), and
+``kvshelf.model.few_rows`` says what BLIS does for 2..16 rows.
 
 ``gemv_body`` builds a second module tree over the same arrays (nothing is copied but
 the small module objects), in which every plain fp32 ``nn.Linear`` without a bias is a
-``GemvLinear``: a one-row input goes to ``sgemv`` over a zero-copy view of the weight;
-anything else is the wrapped layer's own call, bit for bit. The model itself is not
-changed, so the plain model (what mlx-lm, the spec probe and every multi-row call see)
-stays what it was. Each wrapped layer is checked once at build time: its sgemv row on a
-probe lies within the fp32 dot-product error bound of MLX's, else it keeps its own call.
+``GemvLinear``: 2..16 rows go to BLIS (where installed), one row to ``sgemv`` only with
+``one_row`` (off by default: see ``ONE_ROW_SGEMV``), and anything else is the wrapped
+layer's own call, bit for bit. The model itself is not changed, so the plain model (what
+mlx-lm, the spec probe and every long prompt see) stays what it was. Each wrapped layer
+is checked once at build time: its rows on a probe lie within the fp32 dot-product error
+bound of MLX's, else it keeps its own call.
 
-Exactness, and where it ends: an agent decoding alone runs every projection of every
-step through sgemv, prefill's last 1-token call too, so an agent restored from disk
-continues bit-identically to one kept in RAM (same calls on the same state). A batch of
-several agents runs MLX's sgemm rows, which round differently in the last bits (they
-already did: OpenBLAS picks its sgemm kernel by shape); batched decoding stays equal to
-one-by-one decoding token for token where no two logits are within that rounding.
+Exactness, and where it ends: every call of a given shape takes the same path, so an
+agent restored from disk continues bit-identically to one kept in RAM (same calls on the
+same state). A batch of several agents runs BLIS's rows, which round differently from a
+lone agent's in the last bits (MLX's own sgemm rows already did: OpenBLAS picks its
+kernel by shape); batched decoding stays equal to one-by-one decoding token for token
+where no two logits are within that rounding.
 """
 
 from __future__ import annotations
@@ -38,6 +39,14 @@ from kvshelf.model.head import ProjectedModel, buffer_view, dot_error_bound, sys
 
 Sgemv = Callable[[np.ndarray, np.ndarray], np.ndarray]
 
+# Whether a batch-1 call's layer projections go to sgemv too. Off: measured alone they
+# take half of MLX's time (19.2 against 38.5 ms on the embedded Gemma 3), but each call
+# makes MLX evaluate the step's graph up to it, and in a whole step those 126-210 syncs
+# cost what sgemv saves (benchmarks/decode_profile.py, load 1.1-1.3: 104.6 against 104.5
+# ms a step on Gemma 3; the llama's body 128.4 against 107.1 ms). A decode batch's BLIS
+# products save more per call than a sync costs.
+ONE_ROW_SGEMV = False
+
 
 class GemvLinear(nn.Module):
     """An ``nn.Linear`` (no bias, fp32) whose one-row calls run as ``cblas_sgemv`` and,
@@ -47,11 +56,12 @@ class GemvLinear(nn.Module):
     The wrapped layer is a child, so its weight is this module's parameter too (shared,
     not copied): weights loaded into the model later are the ones used."""
 
-    def __init__(self, linear: nn.Linear, sgemv: Sgemv, gemm: Gemm | None = None) -> None:
+    def __init__(self, linear: nn.Linear, sgemv: Sgemv, gemm: Gemm | None = None, one_row: bool = True) -> None:
         super().__init__()
         self.linear = linear
         self._sgemv = sgemv
         self._gemm = gemm
+        self._one_row = one_row  # send a single row to sgemv (else MLX's own call)
 
     def gemv(self, x: mx.array) -> mx.array:
         """``x @ W.T`` for one row ``x`` (any leading shape of size 1) through sgemv."""
@@ -69,6 +79,8 @@ class GemvLinear(nn.Module):
     def __call__(self, x: mx.array) -> mx.array:
         rows = x.size // x.shape[-1]
         if x.dtype != mx.float32 or rows > MAX_FEW_ROWS or (rows > 1 and self._gemm is None):
+            return self.linear(x)
+        if rows == 1 and not self._one_row:
             return self.linear(x)
         return self.gemv(x) if rows == 1 else self.few_rows(x)
 
@@ -99,25 +111,29 @@ def _agrees(layer: GemvLinear) -> bool:
     return True
 
 
-def _converted(value: Any, sgemv: Sgemv, gemm: Gemm | None, wrapped: list[GemvLinear]) -> Any:
+def _converted(value: Any, make: Callable[[nn.Module], nn.Module]) -> Any:
     if isinstance(value, nn.Module):
-        return gemv_body(value, sgemv, gemm, wrapped)
+        return make(value)
     if isinstance(value, list):
-        return [_converted(v, sgemv, gemm, wrapped) for v in value]
+        return [_converted(v, make) for v in value]
     if isinstance(value, tuple):
-        return tuple(_converted(v, sgemv, gemm, wrapped) for v in value)
+        return tuple(_converted(v, make) for v in value)
     if isinstance(value, dict):
-        return {k: _converted(v, sgemv, gemm, wrapped) for k, v in value.items()}
+        return {k: _converted(v, make) for k, v in value.items()}
     return value
 
 
 def gemv_body(
-    module: nn.Module, sgemv: Sgemv, gemm: Gemm | None = None, wrapped: list[GemvLinear] | None = None
+    module: nn.Module,
+    sgemv: Sgemv,
+    gemm: Gemm | None = None,
+    wrapped: list[GemvLinear] | None = None,
+    one_row: bool = True,
 ) -> nn.Module:
     """A copy of ``module``'s module tree over the same arrays, with every eligible
     ``nn.Linear`` a ``GemvLinear`` (those that pass the probe; ``wrapped`` collects them)."""
     if _eligible(module):
-        layer = GemvLinear(module, sgemv, gemm)  # type: ignore[arg-type]
+        layer = GemvLinear(module, sgemv, gemm, one_row)  # type: ignore[arg-type]
         if _agrees(layer):
             if wrapped is not None:
                 wrapped.append(layer)
@@ -127,11 +143,11 @@ def gemv_body(
         return module
     new = copy.copy(module)
     for key, value in module.items():
-        new[key] = _converted(value, sgemv, gemm, wrapped if wrapped is not None else [])
+        new[key] = _converted(value, lambda m: gemv_body(m, sgemv, gemm, wrapped, one_row))
     return new
 
 
-def with_fast_linears(model: nn.Module) -> nn.Module | ProjectedModel:
+def with_fast_linears(model: nn.Module, one_row: bool = ONE_ROW_SGEMV) -> nn.Module | ProjectedModel:
     """``with_fast_head(model)`` whose body also runs its batch-1 projections through sgemv.
 
     Only where the head itself could be wrapped (fp32 on the CPU with the system OpenBLAS
@@ -144,7 +160,7 @@ def with_fast_linears(model: nn.Module) -> nn.Module | ProjectedModel:
         return fast
     gemm = system_gemm()
     wrapped: list[GemvLinear] = []
-    body = gemv_body(model.model, sgemv, gemm, wrapped)
+    body = gemv_body(model.model, sgemv, gemm, wrapped, one_row)
     if not wrapped:
         return fast
     probe = mx.array([[(5 * i + 3) % 97 for i in range(MAX_FEW_ROWS + 1)]])
