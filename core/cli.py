@@ -59,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="run a multi-agent round-table on the embedded model", formatter_class=_Help)
     _common(demo)
     demo.add_argument("--turns", type=int, default=2, help="rounds; every agent speaks once a round")
-    demo.add_argument("--max-tokens", type=int, default=32, help="longest reply, in tokens")
+    demo.add_argument("--max-tokens", type=int, default=48, help="longest reply, in tokens")
     demo.add_argument("--fresh", action="store_true", help="forget the demo agents first")
     _log_level(demo, "warning")
 

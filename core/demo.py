@@ -75,6 +75,11 @@ AGENTS = {
 PROGRESS_AFTER_S = 2.0
 """A prefill still running after this long shows its progress."""
 
+PREFILL_CHUNK = 128
+"""Tokens per prefill call. Ctrl-C takes effect between model calls, so it waits for at most
+one chunk: about half a second at 128 tokens on 2 cores with OpenBLAS (256 is the engine's
+default)."""
+
 
 def _fmt_bytes(n: int) -> str:
     return f"{n / 1e6:.2f} MB"
@@ -136,10 +141,22 @@ def _printable(text: str) -> str:
 
 
 def _speak(engine: Engine, console: Console, agent: str, messages: list[dict], max_tokens: int) -> ChatResult:
-    """One agent's turn, streamed to the console."""
-    console.write(f"  {AGENTS_NAMES[agent]} ({agent}): ")
+    """One agent's turn, streamed to the console.
+
+    The embedded model is a base model, not instruction-tuned: asked in chat form, it
+    mostly repeats its prompt. Opening its turn in the agent's voice (an open assistant
+    message, continued by the model) and ending the reply at the line's end makes it
+    speak instead; the opening becomes part of the reply, so the next turn's prompt still
+    starts with this one's tokens."""
+    console.write(f"  {AGENTS_NAMES[agent]} ({agent}): {OPENINGS[agent]}")
     t0 = time.perf_counter()
-    stream = engine.stream(f"demo-{agent}", messages, max_tokens=max_tokens, progress=_prefill_progress(console, t0))
+    stream = engine.stream(
+        f"demo-{agent}",
+        [*messages, {"role": "assistant", "content": OPENINGS[agent], "prefix": True}],
+        max_tokens=max_tokens,
+        stop=["\n"],
+        progress=_prefill_progress(console, t0),
+    )
     try:
         for item in stream:
             if isinstance(item, ChatResult):
@@ -154,7 +171,7 @@ def run_demo(
     model: str = "embedded",
     cache_dir: Path | None = None,
     turns: int = 2,
-    max_tokens: int = 32,
+    max_tokens: int = 48,
     budget: str | None = None,
     fresh: bool = False,
     out: TextIO | None = None,
@@ -166,7 +183,7 @@ def run_demo(
     caller (``kvshelf demo`` exits 130 on it, without a traceback).
     """
     console = Console(out)
-    engine = Engine(model=model, cache_dir=cache_dir, budget=budget)
+    engine = Engine(model=model, cache_dir=cache_dir, budget=budget, prefill_chunk=PREFILL_CHUNK)
     try:
         return _round_table(engine, console, turns, max_tokens, fresh)
     except KeyboardInterrupt:
@@ -234,11 +251,12 @@ def _round_table(engine: Engine, console: Console, turns: int, max_tokens: int, 
             messages = histories[agent] + [{"role": "user", "content": "\n".join(heard)}]
             result = _speak(engine, console, agent, messages, max_tokens)
             engine.flush()  # saves are written behind; wait so the disk column is current
-            histories[agent][:] = messages + [{"role": "assistant", "content": result.text}]
+            said = OPENINGS[agent] + result.text
+            histories[agent][:] = messages + [{"role": "assistant", "content": said}]
             unheard[agent] = []
             for other in AGENTS:
                 if other != agent:
-                    unheard[other].append(f"{AGENTS_NAMES[agent]} said: {result.text.strip()}")
+                    unheard[other].append(f"{AGENTS_NAMES[agent]} said: {said.strip()}")
             info = next(a for a in engine.agents() if a.agent_id == f"demo-{agent}")
             console.write(f"\n      {_stats(result, info.ram_bytes, info.disk_bytes)}\n")
             counts[result.cache] += 1
@@ -271,3 +289,9 @@ def _new_state() -> dict:
 
 
 AGENTS_NAMES = {"planner": "Ada", "historian": "Ben", "shopkeeper": "Cleo", "student": "Dev"}
+OPENINGS = {
+    "planner": "As the town planner, I think",
+    "historian": "As the town's historian, I think",
+    "shopkeeper": "As the baker on Station Road, I think",
+    "student": "As a student who cycles everywhere, I think",
+}

@@ -25,7 +25,7 @@ def test_version_and_defaults_in_help():
     r = kvshelf_cli("--version")
     assert r.returncode == 0 and r.stdout.strip() == f"kvshelf {kvshelf.__version__}"
     demo = kvshelf_cli("demo", "--help").stdout
-    assert "(default: 2)" in demo and "(default: 32)" in demo and "--log-level" in demo
+    assert "(default: 2)" in demo and "(default: 48)" in demo and "--log-level" in demo
     serve = " ".join(kvshelf_cli("serve", "--help").stdout.split())
     assert "(default: 8000)" in serve and "(default: 127.0.0.1)" in serve and "(default: info)" in serve
 

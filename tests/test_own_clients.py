@@ -57,6 +57,7 @@ def server(tmp_path_factory) -> Iterator[SimpleNamespace]:
     url = f"http://127.0.0.1:{port}"
     try:
         wait_up(proc, url)
+        assert log.read_text().startswith("BLAS: OpenBLAS")  # serve names its BLAS first
         yield SimpleNamespace(url=url + "/v1", log=log)
     finally:
         proc.terminate()

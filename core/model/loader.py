@@ -24,7 +24,7 @@ from tokenizers import Tokenizer
 from kvshelf.model.gemv import with_fast_linears
 from kvshelf.model.head import ProjectedModel
 from kvshelf.model.spec import ModelCacheSpec
-from kvshelf.model.template import ChatMLTemplate, ChatTemplate, GemmaTemplate, JinjaTemplate
+from kvshelf.model.template import ChatMLTemplate, ChatTemplate, GemmaTemplate, JinjaTemplate, infer_tool_parser
 
 
 @dataclass
@@ -135,7 +135,9 @@ def load_from_directory(path: Path, fingerprint: str | None = None) -> LoadedMod
         # An id the vocabulary lacks has no text: render nothing for it (id_to_token gives None).
         bos_text = (tok.id_to_token(bos_id) if bos_id is not None else None) or ""
         eos_text = (tok.id_to_token(eos_tok) if eos_tok is not None else None) or ""
-        template = JinjaTemplate(tok_config["chat_template"], bos_text, eos_text)
+        source = tok_config["chat_template"]
+        parser = infer_tool_parser(source, tok.get_vocab(), tok_config.get("tool_parser_type"))
+        template = JinjaTemplate(source, bos_text, eos_text, tool_parser=parser)
     else:
         template = ChatMLTemplate()
     for s in template.stop_strings:

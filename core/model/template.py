@@ -4,8 +4,10 @@ Prefix reuse depends on one property: rendering a conversation and then renderin
 again with more messages appended must give a string that starts with the first one.
 Every template here keeps earlier turns byte-stable as the conversation grows.
 
-The embedded Gemma GGUF carries no template, so kvshelf supplies Gemma's turn format;
-models that ship a Jinja ``chat_template`` use theirs.
+The embedded Gemma GGUF carries no template, so kvshelf supplies Gemma's turn format
+(and its own tool format, which ``kvshelf.serving.tools`` writes and parses); models that
+ship a Jinja ``chat_template`` use theirs, rendered by transformers' own renderer with a
+fixed date, and with mlx-lm's tool parser where it knows the template's format.
 
 A last assistant message marked ``"prefix": True`` (as in Mistral's API) is left open:
 the model continues it instead of starting a fresh turn. The server uses this to start
@@ -15,8 +17,10 @@ rendered complete, so the next turn still reuses the cache.
 
 from __future__ import annotations
 
+import datetime
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 Message = Mapping[str, Any]
@@ -144,30 +148,125 @@ class ChatMLTemplate:
         return "".join(out)
 
 
+FIXED_DATE = datetime.date(2026, 1, 1)
+"""The date a template's ``strftime_now`` sees. Templates that print today's date (Llama 3,
+Mistral, Granite) would otherwise change every agent's system prompt at midnight, and with
+it every cached prefix: a record saved yesterday would be recomputed from its first token."""
+
+
+@dataclass(frozen=True)
+class ToolParser:
+    """mlx-lm's parser for the tool-call format a model's template uses (``mlx_lm.tool_parsers``)."""
+
+    name: str
+    start: str
+    end: str
+    parse: Callable[..., Any]
+
+    def calls(self, text: str, tools: Sequence[Mapping[str, Any]] | None = None) -> list[dict[str, Any]]:
+        """Every call in ``text``, as ``{"name", "arguments"}`` dicts; a malformed one raises ValueError."""
+        out: list[dict[str, Any]] = []
+        rest = text
+        while (i := rest.find(self.start)) >= 0:
+            body, sep, rest = rest[i + len(self.start) :].partition(self.end)
+            try:
+                parsed = self.parse(body, list(tools) if tools is not None else None)
+            except Exception as exc:  # each parser raises its own kind
+                raise ValueError(f"a {self.name} tool call could not be parsed: {exc}") from exc
+            out.extend(parsed if isinstance(parsed, list) else [parsed])
+            if not sep:
+                break
+        return out
+
+
+def infer_tool_parser(chat_template: str, vocab: Mapping[str, int], name: str | None = None) -> ToolParser | None:
+    """The parser mlx-lm would use for this template (or the one ``name``d in the tokenizer
+    config's ``tool_parser_type``); None where mlx-lm knows none."""
+    import importlib
+
+    from mlx_lm.tokenizer_utils import _infer_tool_parser
+
+    class _Probe:  # the two things mlx-lm's inference reads from a tokenizer
+        def __init__(self) -> None:
+            self.chat_template = chat_template
+
+        def get_vocab(self) -> Mapping[str, int]:
+            return vocab
+
+    name = name or _infer_tool_parser(_Probe())
+    if name is None:
+        return None
+    module = importlib.import_module(f"mlx_lm.tool_parsers.{name}")
+    return ToolParser(name, module.tool_call_start, module.tool_call_end, module.parse_tool_call)
+
+
+def _template_message(message: Message) -> dict[str, Any]:
+    """A message as Hugging Face templates read it: text content, and each earlier tool
+    call's ``arguments`` as a dict (OpenAI sends a JSON string; templates ``tojson`` it)."""
+    out = dict(message, content=message_text(message))
+    if message.get("tool_calls"):
+        calls = []
+        for call in message["tool_calls"]:
+            fn = dict(call.get("function", call))
+            if isinstance(fn.get("arguments"), str):
+                try:
+                    fn["arguments"] = json.loads(fn["arguments"])
+                except json.JSONDecodeError:
+                    pass
+            calls.append({**call, "function": fn})
+        out["tool_calls"] = calls
+    return out
+
+
 class JinjaTemplate:
-    """A model's own Hugging Face ``chat_template``, rendered in a sandbox."""
+    """A model's own Hugging Face ``chat_template``, rendered by transformers' own renderer.
 
-    def __init__(self, source: str, bos_token: str = "", eos_token: str = "", stop_strings: tuple[str, ...] = ()):
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
+    The template is compiled by transformers (``chat_template_utils``: its sandbox, its
+    ``tojson``, ``{% break %}``/``{% continue %}``, ``{% generation %}``, ``raise_exception``),
+    so a template renders here exactly as ``apply_chat_template`` renders it, except that
+    ``strftime_now`` sees a fixed date (``FIXED_DATE``), so prefixes stay byte-stable from
+    one day to the next. ``tools`` (OpenAI function specs) are handed to the template, which
+    shows them in the model's own format; ``tool_parser`` reads that format's calls back
+    (mlx-lm's parser for it), or is None where mlx-lm knows none.
+    """
 
-        def raise_exception(message: str) -> None:
-            raise ValueError(message)
+    def __init__(
+        self,
+        source: str,
+        bos_token: str = "",
+        eos_token: str = "",
+        stop_strings: tuple[str, ...] = (),
+        *,
+        date: datetime.date = FIXED_DATE,
+        tool_parser: ToolParser | None = None,
+    ):
+        from transformers.utils.chat_template_utils import _compile_jinja_template
 
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        env.globals["raise_exception"] = raise_exception
-        env.filters["tojson"] = lambda x, **kw: json.dumps(x, ensure_ascii=False, **kw)
-        self._template = env.from_string(source)
+        self._template = _compile_jinja_template(source)  # transformers' cache: compiled once per process
         self._bos, self._eos = bos_token, eos_token
         self.stop_strings = stop_strings
+        self.tool_parser = tool_parser
+        self.renders_tools = "tools" in source
+        """True when the template shows ``tools`` itself (else a caller describes them in text)."""
+        self._date = datetime.datetime.combine(date, datetime.time())
 
-    def render(self, messages: Sequence[Message], add_generation_prompt: bool = True) -> str:
+    def _strftime_now(self, fmt: str) -> str:
+        return self._date.strftime(fmt)
+
+    def render(
+        self,
+        messages: Sequence[Message],
+        add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+    ) -> str:
         messages, opened = split_open_turn(messages)
-        msgs = [dict(m, content=message_text(m)) for m in messages]
         text = self._template.render(
-            messages=msgs,
+            messages=[_template_message(m) for m in messages],
+            tools=[dict(t) for t in tools] if tools else None,
             add_generation_prompt=add_generation_prompt or bool(opened),
             bos_token=self._bos,
             eos_token=self._eos,
+            strftime_now=self._strftime_now,  # a render variable shadows transformers' global, for this render only
         )
         if self._bos and text.startswith(self._bos):
             text = text[len(self._bos) :]  # the engine adds BOS as a token id

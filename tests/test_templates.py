@@ -1,0 +1,94 @@
+"""Non-Gemma chat templates: rendered by transformers' own renderer (``{% break %}``,
+``strftime_now``, ``tools=``), with a fixed date, and mlx-lm's tool parser where it knows
+the template's format; loaded from a tiny random-weight model's own tokenizer config."""
+
+from __future__ import annotations
+
+import datetime
+import json
+from typing import Any
+
+from kvshelf.model.template import FIXED_DATE, JinjaTemplate, infer_tool_parser
+from kvshelf.runtime.engine import Engine
+from tests.support.tiny import make_tiny_model_dir
+
+# A template in the style of Llama 3 and Qwen: today's date and the tools in the system turn,
+# calls written as <tool_call>{json}</tool_call>, a loop that stops early with {% break %}.
+DATED_TOOLS = """{{- bos_token }}
+{%- set date_string = strftime_now("%d %b %Y") %}
+<|system|>Today is {{ date_string }}.
+{%- if tools %} You may call:{% for t in tools %} {{ t.function.name | tojson }}{% endfor %}.{% endif %}</s>
+{%- for m in messages %}
+{%- if m.role == "system" %}{% continue %}{% endif %}
+<|{{ m.role }}|>{{ m.content }}
+{%- if m.tool_calls %}{% for tool_call in m.tool_calls %}
+{%- if tool_call.function is defined %}{% set tool_call = tool_call.function %}{% endif %}
+<tool_call>{"name": {{ tool_call.name | tojson }}, "arguments": {{ tool_call.arguments | tojson }}}</tool_call>
+{%- endfor %}{% endif %}</s>
+{%- endfor %}
+{%- for m in messages %}{% if m.role == "system" %}<|note|>{{ m.content }}</s>{% break %}{% endif %}{% endfor %}
+{%- if add_generation_prompt %}<|assistant|>{% endif %}"""
+
+MISTRAL_LIKE = "{% for m in messages %}[INST]{{ m.content }}[/INST]{% endfor %}{# [TOOL_CALLS] #}"
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {"name": "get_tide", "description": "High tide", "parameters": {"type": "object"}},
+    }
+]
+
+
+def test_transformers_renderer_handles_break_continue_tools_and_a_fixed_date():
+    template = JinjaTemplate(DATED_TOOLS, bos_token="<s>")
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Tide?"}]
+    text = template.render(msgs, tools=TOOLS)
+    assert text.startswith('<|system|>Today is 01 Jan 2026. You may call: "get_tide".</s>')  # BOS left out
+    assert FIXED_DATE.strftime("%d %b %Y") in text and datetime.date.today().strftime("%d %b %Y") not in text
+    assert text.count("<|note|>Be brief.</s>") == 1  # {% break %} stopped the loop after the first system message
+    assert "<|system|>Be brief." not in text  # {% continue %} skipped it in the turns
+    assert text.endswith("<|assistant|>") and template.renders_tools
+    assert "You may call" not in template.render(msgs)  # no tools, no tool text
+    later = JinjaTemplate(DATED_TOOLS, bos_token="<s>", date=datetime.date(2030, 5, 6))
+    assert "Today is 06 May 2030." in later.render(msgs)
+
+
+def test_earlier_tool_calls_render_with_dict_arguments_and_turns_stay_byte_stable():
+    template = JinjaTemplate(DATED_TOOLS)
+    call = {"id": "c1", "type": "function", "function": {"name": "get_tide", "arguments": '{"port": "Dover"}'}}
+    turn1: list[dict[str, Any]] = [{"role": "user", "content": "Tide at Dover?"}]
+    turn2: list[dict[str, Any]] = [
+        *turn1,
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "content": "6am"},
+    ]
+    text = template.render(turn2, tools=TOOLS)
+    assert '<tool_call>{"name": "get_tide", "arguments": {"port": "Dover"}}</tool_call>' in text
+    # a conversation rendered again with more turns starts with what it was (prefix reuse)
+    head = template.render(turn1, add_generation_prompt=False, tools=TOOLS)
+    assert text.startswith(head)
+
+
+def test_mlx_lm_tool_parsers_are_found_from_the_template_and_read_its_calls():
+    parser = infer_tool_parser(DATED_TOOLS, {})
+    assert parser is not None and parser.name == "json_tools"
+    reply = 'Let me check. <tool_call>{"name": "get_tide", "arguments": {"port": "Dover"}}</tool_call>'
+    assert parser.calls(reply, TOOLS) == [{"name": "get_tide", "arguments": {"port": "Dover"}}]
+    mistral = infer_tool_parser(MISTRAL_LIKE, {})
+    assert mistral is not None and mistral.name == "mistral"
+    assert infer_tool_parser("{% for m in messages %}{{ m.content }}{% endfor %}", {}) is None
+    assert infer_tool_parser("plain", {}, name="json_tools") is not None  # the tokenizer config's choice wins
+
+
+def test_a_tiny_model_with_its_own_template_loads_it_and_reuses_its_prefix(tmp_path):
+    model = make_tiny_model_dir(tmp_path / "m", "llama")
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    (model / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": DATED_TOOLS}))
+    engine = Engine(model=model, cache_dir=tmp_path / "c")
+    template = engine.loaded.template
+    assert isinstance(template, JinjaTemplate) and template.tool_parser is not None
+    assert template.tool_parser.name == "json_tools"
+    msgs = [{"role": "system", "content": "Be brief. " * 10}, {"role": "user", "content": "Tide?"}]
+    r1 = engine.chat("keeper", msgs, max_tokens=6)
+    r2 = engine.chat("keeper", [*msgs, {"role": "assistant", "content": r1.text}, {"role": "user", "content": "Why?"}])
+    assert r2.cache == "hot" and r2.usage.cached_tokens > len("Today is 01 Jan 2026.")
