@@ -37,6 +37,7 @@ class FP16Agent:
 
     def __init__(self, spec, tokens: int, seed: int):
         key = mx.random.key(seed)
+        self.tokens = range(tokens)  # the positions it holds, which the pool's listing counts
         self.layers = []
         for layer in spec.layers:
             cache = KVCache() if layer.window is None else RotatingKVCache(max_size=layer.window)

@@ -218,8 +218,10 @@ def turns_side_by_side(engines: list[Any], repeats: int) -> list[dict]:
 
 def overlap(engine: Any, repeats: int) -> dict:
     """Chats alone, with a thread listing every agent in a loop (``Engine.agents``' pages
-    of 1000 from the index, paced while agents generate), and with a thread reading lazy
+    from the index, paced while agents generate), and with a thread reading lazy
     header pages: in alternating blocks, so drift in the machine's load hits all three."""
+    from kvshelf.runtime.engine import FULL_LISTING_PAGE
+
     store = engine._shelf.store
     rng = random.Random(1)
     ids = [a.agent_id for a in engine.agents_page(limit=1000).data]
@@ -234,7 +236,7 @@ def overlap(engine: Any, repeats: int) -> dict:
     def index_pages(stop: threading.Event) -> None:
         after = None
         while not stop.is_set():
-            page = engine.agents_page(limit=1000, after=after)
+            page = engine.agents_page(limit=FULL_LISTING_PAGE, after=after)  # as Engine.agents() walks
             after = page.last_id if page.has_more else None
 
     def lazy_pages(stop: threading.Event) -> None:

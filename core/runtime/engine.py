@@ -52,6 +52,10 @@ from kvshelf.structured.tools import ToolCall
 
 log = logging.getLogger(__name__)
 
+# ``agents()`` reads the store's index this many agents at a time: small pages hold the
+# GIL only briefly, so the decode thread is never kept waiting behind a listing.
+FULL_LISTING_PAGE = 100
+
 
 class Engine:
     """Runs one model for many agents, each with its own persistent 4-bit KV cache.
@@ -413,7 +417,7 @@ class Engine:
         out: list[AgentInfo] = []
         after: AgentId | None = None
         while True:
-            page = self._shelf.agents_page(after, 1000)
+            page = self._shelf.agents_page(after, FULL_LISTING_PAGE)
             out += page.data
             if not page.has_more or not page.data:
                 return out

@@ -298,6 +298,7 @@ class Shelf:
         if prefix is not None:
             cache.adopt(self.shared.intern(prefix))
         twin = cache.fork()
+        self.pool.put(src, cache)  # its blocks moved into the prefix: the listing's snapshot follows
         self.pool.put(dst, twin)
         saves = [self.save_behind(src, cache), self.save_behind(dst, twin)]
         self.enforce_budget()
