@@ -119,9 +119,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         from kvshelf.storage.exclusive import DirectoryInUse, StoreUnusable
 
-        _announce_blas()
-
-        try:
+        try:  # serve prints the BLAS line once the store is claimed: a refused start is one line
             return run_server(
                 args.model,
                 cache_dir=args.cache_dir,

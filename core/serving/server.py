@@ -36,6 +36,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvshelf.errors import ApiError, InvalidAgentId, KVShelfError, UnknownAgent
+from kvshelf.model.blas_check import announce as announce_blas
 from kvshelf.model.loader import fingerprint_of
 from kvshelf.paths import default_cache_dir
 from kvshelf.runtime.engine import AgentInfo, ChatResult, Engine
@@ -460,6 +461,7 @@ def serve(
     root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     held = exclusive.claim(RecordStore(root, fingerprint_of(model)).directory)
     try:
+        announce_blas()  # which BLAS MLX runs on (and the warning on the reference BLAS), before the slow load
         engine = Engine(model, root, budget, durable=True)
     except BaseException:
         held.close()

@@ -224,9 +224,9 @@ class RecordStore:
         self._ensure_directory()
         return filelock.FileLock(path, is_singleton=True)
 
-    @contextmanager
-    def _held(self, agent_id: str) -> Iterator[filelock.BaseFileLock]:
-        lock = self.lock(agent_id)
+    def _acquire(self, lock: filelock.BaseFileLock, agent_id: str) -> None:
+        """Take ``lock`` within ``lock_timeout``; failing that, a StorageError that says why
+        (``ETIMEDOUT``, or the errno of the OSError behind it, which is its ``__cause__``)."""
         try:
             lock.acquire(timeout=self.lock_timeout)
         except filelock.Timeout as exc:
@@ -237,6 +237,11 @@ class RecordStore:
             ) from exc
         except OSError as exc:
             raise StorageError(exc.errno, f"cannot lock agent {agent_id!r}: {exc}", str(lock.lock_file)) from exc
+
+    @contextmanager
+    def _held(self, agent_id: str) -> Iterator[filelock.BaseFileLock]:
+        lock = self.lock(agent_id)
+        self._acquire(lock, agent_id)
         try:
             yield lock
         finally:
@@ -280,17 +285,11 @@ class RecordStore:
             return None
         lock = self.lock(agent_id)
         try:
-            lock.acquire(timeout=self.lock_timeout)
-        except filelock.Timeout as exc:
-            raise StorageError(
-                errno.ETIMEDOUT,
-                f"timed out after {self.lock_timeout}s waiting for the lock of agent {agent_id!r}",
-                str(lock.lock_file),
-            ) from exc
-        except OSError as exc:
+            self._acquire(lock, agent_id)
+        except StorageError as exc:
             if exc.errno not in _NOT_WRITABLE:
-                raise StorageError(exc.errno, f"cannot lock agent {agent_id!r}: {exc}", str(lock.lock_file)) from exc
-            return self._load_unlocked(agent_id, path, exc)
+                raise
+            return self._load_unlocked(agent_id, path, exc.__cause__ if isinstance(exc.__cause__, OSError) else exc)
         try:
             buffer = self._read(agent_id, path)
             if buffer is None:
