@@ -46,6 +46,7 @@ from kvshelf.serving.errors_http import bad_request, error_response
 from kvshelf.serving.openai_api import AppendRequest, ChatCompletionRequest, ForkRequest, invalid_request
 from kvshelf.storage import exclusive
 from kvshelf.storage.agent_id import AgentId
+from kvshelf.storage.location import parse_store
 from kvshelf.storage.records import RecordStore
 
 log = logging.getLogger(__name__)
@@ -436,6 +437,9 @@ def serve(
     port: int = 8000,
     api_key: str | None = None,
     log_level: str = "info",
+    store: str | None = None,
+    shared: bool = False,
+    node_id: str | None = None,
 ) -> int:
     """Load the model and serve until SIGINT/SIGTERM; shutdown flushes pending saves.
 
@@ -449,6 +453,11 @@ def serve(
     serve`` prints either in one line and exits 2. See ``exclusive`` for what happens
     when the directory is deleted under a running server.
 
+    ``store`` (a URL, ``kvshelf.storage.location``) replaces ``cache_dir``. With ``shared``
+    many servers (nodes, each named by ``node_id``) serve from one store: nothing claims it
+    as a whole, each write is conditional on what the node last read (``Engine``), and the
+    store is only checked to be usable at start (``exclusive.StoreUnusable`` otherwise).
+
     Returns the exit status: 0 once everything is on disk, ``EXIT_UNSAVED`` when some
     agents' latest turns could not be saved (they are named in an error logged at
     exit). A signal that stops the server is not an error, so a supervisor (systemd,
@@ -458,16 +467,26 @@ def serve(
 
     if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
         log.warning("serving on %s without an API key: anyone who can reach it can read and erase agents", host)
-    root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    held = exclusive.claim(RecordStore(root, fingerprint_of(model)).directory)
+    if store is not None and cache_dir is not None:
+        raise ValueError("give the store as cache_dir or as store, not both")
+    location = parse_store(store if store is not None else cache_dir or default_cache_dir())
+    if shared:
+        held = None
+        exclusive.check_usable(location, fingerprint_of(model))
+    else:
+        if location.path is None:
+            raise exclusive.StoreUnusable(f"{location.url}: a store that is not a directory is served with --shared")
+        held = exclusive.claim(RecordStore(location.path, fingerprint_of(model)).directory)
     try:
         announce_blas()  # which BLAS MLX runs on (and the warning on the reference BLAS), before the slow load
-        engine = Engine(model, root, budget, durable=True)
+        engine = Engine(model, budget=budget, durable=True, store=location.url, shared=shared, node_id=node_id)
     except BaseException:
-        held.close()
+        if held is not None:
+            held.close()
         raise
-    assert engine.store_dir.resolve() == held.directory, (engine.store_dir, held.directory)
-    engine.guard_store(held.check)
+    if held is not None:
+        assert engine.store_dir.resolve() == held.directory, (engine.store_dir, held.directory)
+        engine.guard_store(held.check)
     app = create_app(engine, api_key=api_key, owner=held)
     with _stop_signals_are_requests():
         uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=10)
