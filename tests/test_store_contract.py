@@ -280,3 +280,39 @@ def test_engines_share_a_bucket_with_one_writer_per_agent(tiny_dirs, tmp_path, m
     finally:
         a.close()
         b.close()
+
+
+def test_kvshelf_serve_nodes_on_a_bucket(tiny_dirs, tmp_path, monkeypatch, moto_endpoint) -> None:
+    import signal
+
+    import httpx
+
+    from tests.support.servers import wait_up
+    from tests.test_shared_store import start_node
+
+    url = f"s3://{s3_env(monkeypatch, moto_endpoint)}/team"
+    nodes = [
+        start_node(tiny_dirs["llama"], url, "--shared", "--node-id", name, "--cache-dir", str(tmp_path / name))
+        for name in ("a", "b")
+    ]
+    try:
+        for proc, base in nodes:
+            wait_up(proc, base)
+        (_, a), (_, b) = nodes
+        messages = [{"role": "user", "content": "Keep this: the launch is on Monday. " * 4}]
+        body = {"model": "x", "messages": messages, "max_tokens": 4}
+        first = httpx.post(a + "/v1/chat/completions", json=body, headers={"X-Agent-Id": "kai"}, timeout=60).json()
+        assert first["kvshelf"]["saved"] is True
+        reply = first["choices"][0]["message"]["content"]
+        body["messages"] = [*messages, {"role": "assistant", "content": reply}, {"role": "user", "content": "When?"}]
+        second = httpx.post(b + "/v1/chat/completions", json=body, headers={"X-Agent-Id": "kai"}, timeout=60).json()
+        assert second["kvshelf"]["cache"] == "warm" and second["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+        listed = httpx.get(a + "/v1/agents", timeout=30).json()["data"]
+        assert [entry["id"] for entry in listed] == ["kai"] and listed[0]["disk_bytes"] > 0
+    finally:
+        for proc, _ in nodes:
+            proc.send_signal(signal.SIGTERM)
+        for proc, _ in nodes:
+            proc.wait(timeout=60)
+    for proc, _ in nodes:
+        assert proc.returncode == 0, proc.stdout.read() if proc.stdout else ""
