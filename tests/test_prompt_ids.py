@@ -19,7 +19,8 @@ from kvshelf.model.template import ChatMLTemplate, GemmaTemplate
 # transformers' own former default (``default_chat_template``, ChatML): what kvshelf's
 # ChatMLTemplate renders for a directory without a template.
 CHATML_JINJA = (
-    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"
+    "{% for message in messages %}"
+    "{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 BOS_FIRST = "{{ bos_token }}" + CHATML_JINJA
