@@ -39,6 +39,11 @@ from kvshelf.model.spec import BLOCK_TOKENS, LayerSpec
 
 FP16 = mx.float16
 
+# Every query reads every past token in one representation (see "what attention reads"
+# below). False brings back the earlier reads (a chunk's own keys as the buffer holds them
+# right after its append), only so that benchmarks/invariance.py can measure both in one run.
+ONE_REPRESENTATION = True
+
 
 @dataclass(frozen=True)
 class KVScheme:
@@ -195,7 +200,7 @@ class SchemeLayerCache(QuantizedLayerCache):
     # same values (``kvshelf.kv.working_set`` keeps the same rule between steps).
     def _closing_inside(self, n: int) -> list[int]:
         """Ends of the key blocks that a call of ``n`` tokens closes before its last query."""
-        if not self.scheme.channel_keys:
+        if not self.open_key_block:
             return []
         first = (self.offset // BLOCK_TOKENS + 1) * BLOCK_TOKENS  # blocks lie on absolute multiples
         return list(range(first, self.offset + n, BLOCK_TOKENS))
@@ -218,7 +223,7 @@ class SchemeLayerCache(QuantizedLayerCache):
         return mx.concatenate([main, dup], axis=1)
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[Any, Any]:
-        if not self.scheme.channel_keys:
+        if not self.open_key_block:
             return super().update_and_fetch(keys, values)
         n, p0 = keys.shape[2], self.offset
         ends = self._closing_inside(n)
@@ -244,14 +249,14 @@ class SchemeLayerCache(QuantizedLayerCache):
     def exact_rewind_point(self, position: int) -> int:
         """A cut inside a quantized key block cannot bring back its fp16 keys (only their
         dequantized values): the block's start, from which a prefill recomputes them."""
-        if not self.scheme.channel_keys or position % BLOCK_TOKENS == 0 or position >= self.stable_until:
+        if not self.open_key_block or position % BLOCK_TOKENS == 0 or position >= self.stable_until:
             return position
         return max(self.start, position // BLOCK_TOKENS * BLOCK_TOKENS)
 
     # -- rows for a decode working set ----------------------------------------------------
     @property
     def open_key_block(self) -> bool:
-        return self.scheme.channel_keys
+        return self.scheme.channel_keys and ONE_REPRESENTATION
 
     @property
     def stable_until(self) -> int:

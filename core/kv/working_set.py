@@ -140,6 +140,8 @@ class DecodeLayer(BatchLayerView):
             lo = olds[b]
             if m.open_key_block and stables[b] > self.closed[b]:
                 lo, self.closed[b] = max(self.closed[b], m.start), stables[b]
+            elif not m.open_key_block and m.stable_until > stables[b]:  # the earlier reads: at once
+                lo = min(stables[b], olds[b])
             if lo == olds[b] and not m.own_rows_at(olds[b]):
                 continue
             k, v = (_rows(x) for x in m.attention_rows(lo, m.offset, keys.dtype, self._dense))
