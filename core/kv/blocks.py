@@ -18,7 +18,8 @@ Why this shape:
   over the packed data. For a long chunk (prefill), ``quantized_matmul`` is 10x slower
   than dequantizing once and running the fused dense kernel, so the cache then hides
   ``bits`` and returns the dequantized blocks. Either way every token is seen through
-  its 4-bit representation, including the chunk's own tokens.
+  its 4-bit representation, including the chunk's own tokens (per-channel key schemes
+  keep an open fp16 block; ``kvschemes`` says how a query reads it).
 - A forked agent starts on a shared base (``SharedLayer``): whole blocks of a common
   prefix, held once in RAM however many agents use them, and never written. The
   cache's own buffer holds only the rows after the base. MLX arrays are values, so

@@ -20,7 +20,10 @@ Each scheme is one frozen ``KVScheme`` that makes ``SchemeLayerCache`` objects:
 - ``sinks``: the first ``sinks`` tokens of the sequence are also kept in fp16 and
   replace their quantized rows on the dense path.
 
-Determinism: every stored element is a function of the tokens alone. The fp16 tail and
+Determinism: every stored element is a function of the tokens alone, and so is what
+attention reads: every query reads each past token in one representation whatever path
+computed it (cold prefill in any chunk size, an extension, decode, a restore, a fork;
+see "what attention reads" in ``SchemeLayerCache``). The fp16 tail and
 the sinks are exported as they are, and a block is quantized from the fp16 tail both
 when it fills in RAM and after a restore, so a restored cache continues bit-identically.
 Rewinding into an already quantized block turns its kept rows back into an fp16 tail

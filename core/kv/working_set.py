@@ -13,11 +13,13 @@ un-rotated for the schemes' dense path, packed triples for plain Q4's
 - each step a member's new token is stored in its Q4 blocks as before (``append``),
   and the new rows of all members are coded once, together (``coded_rows``: exactly
   what each member's ``attention_rows`` of that position returns, coding being row by
-  row) and written into the buffer's next column. Where the append filled a
-  per-channel key block (KIVI), the block's rows, until then fp16 tail rows, are read
-  back and replace the buffer's; so are a sink's (its fp16 copy). So every value
-  attention sees is the one the cache's own ``fetch`` would return, and the step's
-  results are bit-identical to the per-step dense path;
+  row) and written into the buffer's next column. A per-channel key block (KIVI)
+  that an append filled is still read in fp16 by that step's query (the block's last
+  token), as by every query inside it (``kvschemes``: one representation of past
+  tokens); at the next step its rows are read back quantized and replace the buffer's.
+  A sink's row is read back too (its fp16 copy). So every value attention sees is the
+  one the cache's own ``update_and_fetch`` would return, and the step's results are
+  bit-identical to the per-step dense path;
 - the buffer is left-padded so that every member's next token lands in the same column;
   attention gets the last ``max(length)`` columns, which is exactly the layout (and the
   mask, per-agent RoPE offsets and windows) of ``BatchLayerView``. Columns a member does
