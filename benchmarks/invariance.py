@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 
 import kvshelf  # noqa: F401  (preloads OpenBLAS, which must come before mlx)
@@ -35,6 +36,7 @@ def main() -> None:
     ap.add_argument("--model", default="embedded")
     ap.add_argument("--kernels", default="default,blis", help="default: the engine's; blis: every row through BLIS")
     args = ap.parse_args()
+    print(f"load average at start: {os.getloadavg()}", flush=True)
     loaded = load(args.model, progress=False)
     partial = RESULTS / f"invariance-partial-{time.strftime('%Y%m%d-%H%M%S')}.json"
     RESULTS.mkdir(parents=True, exist_ok=True)
@@ -58,7 +60,7 @@ def main() -> None:
     print("summary:", {k: v for k, v in summary.items() if k != "cost"}, flush=True)
     path = write_json("invariance", {"args": vars(args), **out})
     partial.unlink(missing_ok=True)
-    print(f"wrote {path}")
+    print(f"wrote {path}; load average at end: {os.getloadavg()}")
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ where no two logits are within that rounding.
 from __future__ import annotations
 
 import copy
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -53,9 +54,10 @@ ONE_ROW_SGEMV = False
 # for bit), where OpenBLAS picks another kernel by shape (a row of a 16-, 32- or 48-row
 # product differs from the 1-row one in the last bits, and MLX's matmuls are OpenBLAS's).
 # So a token's K/V and logits no longer depend on how many rows were computed with it;
-# what still does is attention (MLX's kernels, ~2e-7). Off by default: see
-# benchmarks/invariance.py and benchmarks/decode.py for what it changes and costs.
-SHAPE_INVARIANT = False
+# what still does is attention (MLX's kernels, ~2e-7). Off by default (see
+# benchmarks/invariance.py for what it changes and costs); ``KVSHELF_SHAPE_INVARIANT=1``
+# turns it on for the models loaded afterwards.
+SHAPE_INVARIANT = os.environ.get("KVSHELF_SHAPE_INVARIANT", "").lower() in ("1", "true", "yes")
 
 
 class GemvLinear(nn.Module):
