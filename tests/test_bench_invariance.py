@@ -44,6 +44,7 @@ def test_invariance_section_compares_every_path(tiny_dirs, tmp_path):
     cost = summary["cost"]
     assert cost[invariance.ONE_REP]["prefill_s_median"] > 0 and "prefill_cost_pct" in cost[invariance.ONE_REP]
     assert cost[invariance.BEFORE]["decode_ms_median"] > 0
-    assert invariance.headline(result).startswith("Invariance:")
+    headline = invariance.headline(result)
+    assert headline is not None and headline.startswith("Invariance:")
     chart = invariance.chart(result, tmp_path / "invariance.png")
     assert chart is not None and chart.stat().st_size > 0

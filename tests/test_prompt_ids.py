@@ -62,7 +62,9 @@ def kvshelf_ids(path: Path, messages: list[dict]) -> list[int]:
     return loaded.tokenizer.encode_prompt(loaded.template.render(messages))
 
 
-CASES = {
+Case = tuple[dict[str, object], bool, str, int]  # tokenizer_config, ChatML markers, reference template, BOS count
+
+CASES: dict[str, Case] = {
     # the tiny llama as built: a bos_token, no add_bos_token, no template (HF: no BOS)
     "no template": ({"bos_token": "<s>", "eos_token": "</s>"}, False, CHATML_JINJA, 0),
     # the double-BOS case: a ChatML vocabulary whose bos_token is <|im_start|>

@@ -87,7 +87,7 @@ def decode(
         mx.eval(logits, [a for c in caches for a in c.arrays()], working.arrays())
         for b, c in enumerate(caches):
             c.tokens.append(tokens[b][-1])
-            tokens[b].append(int(mx.argmax(logits[b]).item()))
+            tokens[b].append(int(np.argmax(np.array(logits[b]))))
         rows[0].append(np.array(logits[0]))
     ms = (time.perf_counter() - t0) * 1e3 / max(1, steps - 1)
     return tokens, rows, ms
