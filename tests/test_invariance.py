@@ -29,6 +29,8 @@ import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
 from kvshelf import Engine
+from kvshelf.kv.agent_cache import AgentCache
+from kvshelf.kv.record import agent_record
 from kvshelf.model.loader import load
 from tests.support.tiny import make_tiny_model_dir
 
@@ -75,6 +77,8 @@ def hot_conversation(engine: Engine, agent: str) -> list[dict]:
 WARM = """
 import json, sys, numpy as np
 from kvshelf import Engine
+from kvshelf.kv.agent_cache import AgentCache
+from kvshelf.kv.record import agent_record
 model, cache, messages, out = sys.argv[1:5]
 messages = json.loads(messages)
 with Engine(model, cache_dir=cache, progress=False) as e:
@@ -165,3 +169,32 @@ def test_the_fp32_path_noise_that_the_tolerance_rests_on(dirs):
 
 def _first_difference(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def test_a_cut_inside_a_quantized_key_block_recomputes_from_the_block_start(dirs):
+    """Cutting back into a quantized per-channel key block cannot bring back its fp16 keys,
+    only their dequantized values: the cache goes back to the block start instead, and
+    after the same calls it holds exactly what a cold prefill of the new prompt holds."""
+    loaded = load(dirs["llama"], progress=False)
+    rng = np.random.default_rng(9)
+    old = rng.integers(0, 128, 600).tolist()
+    new = old[:400] + rng.integers(0, 128, 200).tolist()  # diverges inside block 256..511
+
+    def feed(cache: AgentCache, ids: list[int]) -> None:
+        out = loaded.model(mx.array(ids)[None], cache=cache.layers)
+        mx.eval(out, cache.arrays())
+        cache.tokens.extend(ids)
+
+    def prefill(cache: AgentCache, ids: list[int], start: int = 0) -> None:
+        for at in range(start, len(ids), 256):
+            feed(cache, ids[at : at + 256])
+
+    cut = AgentCache.empty(loaded.spec)
+    prefill(cut, old)
+    assert cut.reuse_prefix(new) == 256  # not 400: block 256..511 was quantized when it filled
+    prefill(cut, new, 256)
+    cold = AgentCache.empty(loaded.spec)
+    prefill(cold, new)
+    mine, ref = agent_record(cut).tensors, agent_record(cold).tensors
+    assert mine.keys() == ref.keys()
+    assert all(np.array_equal(np.array(mine[k]), np.array(ref[k])) for k in ref)
