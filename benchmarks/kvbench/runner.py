@@ -21,6 +21,7 @@ from pathlib import Path
 from kvbench import (
     capacity,
     decode_section,
+    invariance,
     machine,
     peer,
     phase_section,
@@ -39,6 +40,7 @@ MODULES = {
     "capacity": capacity,
     "quality": quality,
     "decode": decode_section,
+    "invariance": invariance,
     "routing": routing,
     "phases": phase_section,
     "peer": peer,

@@ -12,7 +12,18 @@ import os
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
-SECTIONS = ("ttft", "capacity", "quality", "decode", "phases", "routing", "peer", "store", "structured")
+SECTIONS = (
+    "ttft",
+    "capacity",
+    "quality",
+    "decode",
+    "invariance",
+    "phases",
+    "routing",
+    "peer",
+    "store",
+    "structured",
+)
 
 
 @dataclass(frozen=True)
@@ -43,6 +54,11 @@ class Settings:
     decode_batches: tuple[int, ...] = (1, 4, 8)
     decode_steps: int = 5
     decode_warmup: int = 2
+    # Invariance (kvbench.invariance): conversations through every cache path (issue 21: 50 of 300-3000)
+    invariance_conversations: int = 10
+    invariance_min_tokens: int = 300
+    invariance_max_tokens: int = 3000
+    invariance_generate: int = 64
     # Phases (kvbench.phases): generated tokens per turn, 0 = the scenario's own default
     phases_max_tokens: int = 0
     # Against the peer (mlx_lm.server) over HTTP
@@ -76,6 +92,9 @@ QUICK = Settings(
     ppl_schemes=("q4-g64-per-token-v1", "q4-g64-kivi-rotv"),
     decode_contexts=(1024,),
     decode_steps=3,
+    invariance_conversations=2,
+    invariance_max_tokens=1000,
+    invariance_generate=32,
     routing_doc_tokens=512,
     routing_questions=10,
     peer_doc_tokens=512,
@@ -92,6 +111,7 @@ FULL = Settings(
     ttft_cold_runs_large=2,
     ppl_schemes=("q4-g64-per-token-v1", "q4-g64-kivi-rotv", "q4-g64-rot", "q4-g64-kivi", "q8-g64"),
     routing_questions=40,
+    invariance_conversations=50,
     peer_rounds_before=2,
     peer_rounds_after=2,
 )

@@ -135,12 +135,18 @@ class AgentCache:
         keep = min(common_prefix_length(self.tokens, prompt), len(prompt) - 1)
         if keep < len(self.tokens):
             self.checkpoints = [c for c in self.checkpoints if c.position <= keep]  # the rest saw other tokens
-            if all(c.can_rewind_to(keep) for c in self.layers):
+            # Where a cut would leave other values than a prefill up to there (inside a
+            # quantized per-channel key block), cut back to the block's start instead: the
+            # prefill recomputes the rest. A later checkpoint resumes exactly, so it wins.
+            exact = min([keep, *(c.exact_rewind_point(keep) for c in self.layers)])
+            latest = self.checkpoints[-1].position if self.checkpoints else -1
+            if all(c.can_rewind_to(exact) for c in self.layers) and exact >= latest:
                 for c in self.layers:
-                    c.rewind_to(keep)
+                    c.rewind_to(exact)
+                keep = exact
             elif self.checkpoints:  # a sliding window has moved past ``keep``: the nearest boundary before it
                 self._resume(self.checkpoints[-1])
-                keep = self.checkpoints[-1].position
+                keep = latest
             else:
                 self.layers = [self.scheme.make(layer) for layer in self.spec.layers]
                 keep = 0

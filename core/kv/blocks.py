@@ -18,7 +18,8 @@ Why this shape:
   over the packed data. For a long chunk (prefill), ``quantized_matmul`` is 10x slower
   than dequantizing once and running the fused dense kernel, so the cache then hides
   ``bits`` and returns the dequantized blocks. Either way every token is seen through
-  its 4-bit representation, including the chunk's own tokens.
+  its 4-bit representation, including the chunk's own tokens (per-channel key schemes
+  keep an open fp16 block; ``kvschemes`` says how a query reads it).
 - A forked agent starts on a shared base (``SharedLayer``): whole blocks of a common
   prefix, held once in RAM however many agents use them, and never written. The
   cache's own buffer holds only the rows after the base. MLX arrays are values, so
@@ -280,6 +281,12 @@ class QuantizedLayerCache(PackedFetch, _BaseCache):
         later ones may change when more tokens arrive (a per-channel key block filling)."""
         return self.offset
 
+    @property
+    def open_key_block(self) -> bool:
+        """Whether keys wait in an fp16 open block that is quantized when full (so a query
+        reads the blocks before its own quantized, its own in fp16; see ``kvschemes``)."""
+        return False
+
     # -- buffer management -------------------------------------------------------
     def _quantize(self, x: mx.array) -> QTriple:
         w, s, b = mx.quantize(x, group_size=self.group_size, bits=self._bits)
@@ -379,6 +386,11 @@ class QuantizedLayerCache(PackedFetch, _BaseCache):
         self.base = base
 
     # -- rewind -------------------------------------------------------------------
+    def exact_rewind_point(self, position: int) -> int:
+        """The latest position at or before ``position`` to which a cut leaves exactly what
+        a prefill of the tokens up to there holds (every row here is coded on its own)."""
+        return position
+
     def can_rewind_to(self, position: int) -> bool:
         """True if the cache can be cut back to ``position`` tokens and stay exact."""
         if position > self.offset:

@@ -20,7 +20,10 @@ Each scheme is one frozen ``KVScheme`` that makes ``SchemeLayerCache`` objects:
 - ``sinks``: the first ``sinks`` tokens of the sequence are also kept in fp16 and
   replace their quantized rows on the dense path.
 
-Determinism: every stored element is a function of the tokens alone. The fp16 tail and
+Determinism: every stored element is a function of the tokens alone, and so is what
+attention reads: every query reads each past token in one representation whatever path
+computed it (cold prefill in any chunk size, an extension, decode, a restore, a fork;
+see "what attention reads" in ``SchemeLayerCache``). The fp16 tail and
 the sinks are exported as they are, and a block is quantized from the fp16 tail both
 when it fills in RAM and after a restore, so a restored cache continues bit-identically.
 Rewinding into an already quantized block turns its kept rows back into an fp16 tail
@@ -38,6 +41,11 @@ from kvshelf.kv.blocks import SCALE_DTYPE, LayerRows, QTriple, QuantizedLayerCac
 from kvshelf.model.spec import BLOCK_TOKENS, LayerSpec
 
 FP16 = mx.float16
+
+# Every query reads every past token in one representation (see "what attention reads"
+# below). False brings back the earlier reads (a chunk's own keys as the buffer holds them
+# right after its append), only so that benchmarks/invariance.py can measure both in one run.
+ONE_REPRESENTATION = True
 
 
 @dataclass(frozen=True)
@@ -182,7 +190,77 @@ class SchemeLayerCache(QuantizedLayerCache):
         x = _rotate(x) if self.scheme.rotate_values else x
         return self._with_sinks(x, self.sink_v)
 
+    # -- what attention reads: one representation of every past token --------------------
+    # A per-channel key block is quantized once it is full; until then its keys are the
+    # fp16 tail. A query reads every token in that same form, whichever path computes it:
+    # the blocks that closed before the query's own block quantized, its own block (the
+    # open tail, up to the query) in fp16. So a query at a block's last position still
+    # reads the block in fp16 (the block closes with its last token, for the queries
+    # after it), and a call that closes blocks before its last query shows those blocks
+    # twice: quantized to the queries after them, fp16 (extra key columns, which the mask
+    # gives only the queries inside the block) to the queries before. Cold prefill in
+    # any chunk size, an extension from any offset, decode and a restore then read the
+    # same values (``kvshelf.kv.working_set`` keeps the same rule between steps).
+    def _closing_inside(self, n: int) -> list[int]:
+        """Ends of the key blocks that a call of ``n`` tokens closes before its last query."""
+        if not self.open_key_block:
+            return []
+        first = (self.offset // BLOCK_TOKENS + 1) * BLOCK_TOKENS  # blocks lie on absolute multiples
+        return list(range(first, self.offset + n, BLOCK_TOKENS))
+
+    def make_mask(self, n: int, window_size: int | None = None, return_array: bool = False) -> Any:
+        ends = self._closing_inside(n)
+        if not ends:
+            return super().make_mask(n, window_size, return_array)
+        window = window_size or self.window
+        q = mx.arange(self.offset, self.offset + n)[:, None]
+        k = mx.arange(self.start_after(n), self.offset + n)[None]
+        main = k <= q
+        for e in ends:  # a block closed inside the call is quantized only to queries from its end
+            main = main & ~((k >= e - BLOCK_TOKENS) & (k < e) & (q < e))
+        dup_k = mx.concatenate([mx.arange(e - BLOCK_TOKENS, e) for e in ends])[None]
+        dup_end = mx.concatenate([mx.full((BLOCK_TOKENS,), e) for e in ends])[None]
+        dup = (dup_k <= q) & (q < dup_end)
+        if window is not None:
+            main, dup = main & (k > q - window), dup & (dup_k > q - window)
+        return mx.concatenate([main, dup], axis=1)
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[Any, Any]:
+        if not self.open_key_block:
+            return super().update_and_fetch(keys, values)
+        n, p0 = keys.shape[2], self.offset
+        ends = self._closing_inside(n)
+        open_from = p0 // BLOCK_TOKENS * BLOCK_TOKENS  # where the open block (the fp16 tail) starts
+        pending = keys.astype(FP16)
+        if p0 > open_from:
+            assert self.k_tail is not None and self.k_tail.shape[2] == p0 - open_from
+            pending = mx.concatenate([self.k_tail, pending], axis=2)
+        k, v = super().update_and_fetch(keys, values)
+        start = self.start
+
+        def open_rows(end: int) -> mx.array:  # the block ending at ``end``, in fp16 as it was open
+            return pending[..., end - BLOCK_TOKENS - open_from : end - open_from, :].astype(k.dtype)
+
+        end = p0 + n
+        if end % BLOCK_TOKENS == 0:  # closed by the call's last query, which still reads it open
+            k = mx.concatenate([k[..., : end - BLOCK_TOKENS - start, :], open_rows(end)], axis=2)
+        if ends:  # (a sink's fp16 copy is these very fp16 keys)
+            k = mx.concatenate([k, *(open_rows(e) for e in ends)], axis=2)
+            v = mx.concatenate([v, *(v[..., e - BLOCK_TOKENS - start : e - start, :] for e in ends)], axis=2)
+        return k, v
+
+    def exact_rewind_point(self, position: int) -> int:
+        """A cut inside a quantized key block cannot bring back its fp16 keys (only their
+        dequantized values): the block's start, from which a prefill recomputes them."""
+        if not self.open_key_block or position % BLOCK_TOKENS == 0 or position >= self.stable_until:
+            return position
+        return max(self.start, position // BLOCK_TOKENS * BLOCK_TOKENS)
+
     # -- rows for a decode working set ----------------------------------------------------
+    @property
+    def open_key_block(self) -> bool:
+        return self.scheme.channel_keys and ONE_REPRESENTATION
+
     @property
     def stable_until(self) -> int:
         if self.scheme.channel_keys and self.k_tail is not None:

@@ -13,11 +13,13 @@ un-rotated for the schemes' dense path, packed triples for plain Q4's
 - each step a member's new token is stored in its Q4 blocks as before (``append``),
   and the new rows of all members are coded once, together (``coded_rows``: exactly
   what each member's ``attention_rows`` of that position returns, coding being row by
-  row) and written into the buffer's next column. Where the append filled a
-  per-channel key block (KIVI), the block's rows, until then fp16 tail rows, are read
-  back and replace the buffer's; so are a sink's (its fp16 copy). So every value
-  attention sees is the one the cache's own ``fetch`` would return, and the step's
-  results are bit-identical to the per-step dense path;
+  row) and written into the buffer's next column. A per-channel key block (KIVI)
+  that an append filled is still read in fp16 by that step's query (the block's last
+  token), as by every query inside it (``kvschemes``: one representation of past
+  tokens); at the next step its rows are read back quantized and replace the buffer's.
+  A sink's row is read back too (its fp16 copy). So every value attention sees is the
+  one the cache's own ``update_and_fetch`` would return, and the step's results are
+  bit-identical to the per-step dense path;
 - the buffer is left-padded so that every member's next token lands in the same column;
   attention gets the last ``max(length)`` columns, which is exactly the layout (and the
   mask, per-agent RoPE offsets and windows) of ``BatchLayerView``. Columns a member does
@@ -53,6 +55,7 @@ GROW_COLUMNS = 128
 
 Rows = tuple[mx.array, ...]  # one dense array, or a packed (words, scales, biases) triple
 Layers = Sequence[QuantizedLayerCache]  # one agent's caches, one per model layer
+Carried = tuple[Rows, Rows, int]  # a member's rows taken over from a previous run, and its closed mark
 
 
 def _rows(x: Any) -> Rows:
@@ -81,7 +84,7 @@ class DecodeLayer(BatchLayerView):
     A drop-in cache for mlx-lm attention, one token per member per step. With one member
     it is that member's cache to the model (its own mask and integer RoPE offset)."""
 
-    def __init__(self, members: list[QuantizedLayerCache], carried: list[tuple[Rows, Rows] | None]):
+    def __init__(self, members: list[QuantizedLayerCache], carried: list[Carried | None]):
         super().__init__(members)
         self._carried = carried  # rows start..offset of members taken over from a previous run
         # Dense unless every member hands packed rows to quantized_matmul (plain Q4).
@@ -94,6 +97,9 @@ class DecodeLayer(BatchLayerView):
         self.values: Rows | None = None
         self.end = 0  # the column the next token goes into
         self.synced = [m.offset for m in members]  # member offsets the buffer holds rows up to
+        # Per member: the buffer holds its keys below this as quantized blocks (above, the
+        # open block's fp16 rows, also of a block that closed at the last step).
+        self.closed = [c[2] if c is not None else m.stable_until for m, c in zip(members, carried)]
 
     # -- mlx-lm cache protocol ---------------------------------------------------------
     @property
@@ -120,7 +126,7 @@ class DecodeLayer(BatchLayerView):
         kbuf, vbuf = self.keys, self.values
         assert kbuf is not None and vbuf is not None
         olds = [m.offset for m in self.members]
-        stables = [m.stable_until for m in self.members]
+        stables = [m.stable_until for m in self.members]  # where each member's open key block starts
         for b, m in enumerate(self.members):
             m.append(keys[b : b + 1], values[b : b + 1])
         # Every member's new row at once: coding is row by row, so this is what each
@@ -130,8 +136,14 @@ class DecodeLayer(BatchLayerView):
         self._write(kbuf, slice(None), col, list(new_k))
         self._write(vbuf, slice(None), col, list(new_v))
         for b, m in enumerate(self.members):
-            # A key block filled (rows stables[b]..olds[b] changed) or a sink: re-read them.
-            lo = min(stables[b], olds[b]) if m.stable_until > stables[b] else olds[b]
+            # The new token reads the key blocks closed before its own quantized (the last
+            # one closed at the previous step, whose query still read it open: kvschemes),
+            # and a sink from its fp16 copy: re-read those rows.
+            lo = olds[b]
+            if m.open_key_block and stables[b] > self.closed[b]:
+                lo, self.closed[b] = max(self.closed[b], m.start), stables[b]
+            elif not m.open_key_block and m.stable_until > stables[b]:  # the earlier reads: at once
+                lo = min(stables[b], olds[b])
             if lo == olds[b] and not m.own_rows_at(olds[b]):
                 continue
             k, v = (_rows(x) for x in m.attention_rows(lo, m.offset, keys.dtype, self._dense))
@@ -153,11 +165,12 @@ class DecodeLayer(BatchLayerView):
     def _build(self, dtype: mx.Dtype) -> None:
         """Gather every member's rows that the step keeps, once, left-padded into one buffer."""
         keys, values = [], []
-        for m, carried in zip(self.members, self._carried):
-            n = _visible(m)
+        for b, (m, carried) in enumerate(zip(self.members, self._carried)):
             if carried is None:
-                carried = m.attention_rows(m.offset - n, m.offset, dtype, self._dense)
-            k, v = (tuple(x[..., x.shape[2] - n :, :] for x in _rows(rows)) for rows in carried)
+                self.closed[b] = m.stable_until
+            n = _visible(m)
+            rows = carried[:2] if carried is not None else m.attention_rows(m.offset - n, m.offset, dtype, self._dense)
+            k, v = (tuple(x[..., x.shape[2] - n :, :] for x in _rows(r)) for r in rows)
             keys.append(k)
             values.append(v)
         self._carried = [None] * len(self.members)
@@ -180,14 +193,15 @@ class DecodeLayer(BatchLayerView):
         self.keys, self.values = regrow(self.keys), regrow(self.values)
         self.end = width
 
-    def member_rows(self, b: int) -> tuple[Rows, Rows] | None:
-        """Member ``b``'s rows ``start..offset`` (None before the first step built them)."""
+    def member_rows(self, b: int) -> Carried | None:
+        """Member ``b``'s rows ``start..offset`` and its ``closed`` mark (None before the
+        first step built them)."""
         if self.keys is None or self.values is None:
             return self._carried[b]
         m = self.members[b]
         n = m.offset - m.start
         cut = lambda buf: tuple(x[b : b + 1, :, self.end - n : self.end, :] for x in buf)  # noqa: E731
-        return cut(self.keys), cut(self.values)
+        return cut(self.keys), cut(self.values), self.closed[b]
 
     def arrays(self) -> list[mx.array]:
         return [*(self.keys or ()), *(self.values or ())]
@@ -210,7 +224,7 @@ class DecodeRun:
         index = previous._index() if previous is not None else {}
         layers: list[DecodeLayer] = []
         for i, per_layer in enumerate(zip(*self.agents)):
-            carried: list[tuple[Rows, Rows] | None] = []
+            carried: list[Carried | None] = []
             for key in self.keys:
                 old = index.get(key)
                 rows = previous.layers[i].member_rows(old) if previous is not None and old is not None else None

@@ -37,6 +37,9 @@ BLIS_CANDIDATES = (
 BLIS_NO_TRANSPOSE = 0
 # Products with more rows than this are left to MLX (OpenBLAS's sgemm is fast there).
 MAX_FEW_ROWS = 16
+# BLIS sums each element in the same order for up to this many rows (its "sup" path;
+# measured: 512 rows take another), so longer products go in slices of this many rows.
+SLICE_ROWS = 256
 
 Gemm = Callable[[np.ndarray, np.ndarray], np.ndarray]
 
@@ -78,25 +81,27 @@ def system_gemm() -> Gemm | None:
             raise ValueError(f"gemm: {x.shape} @ {weight.shape}.T")
         y = np.empty((m, n), dtype=np.float32)
         # C (m×n, row stride n) = A (m×k, row stride k) · B (k×n: the weight, its rows and
-        # columns swapped by its strides: row stride 1, column stride k).
-        fn(
-            BLIS_NO_TRANSPOSE,
-            BLIS_NO_TRANSPOSE,
-            m,
-            n,
-            k,
-            one.ctypes.data,
-            x.ctypes.data,
-            k,
-            1,
-            weight.ctypes.data,
-            1,
-            k,
-            zero.ctypes.data,
-            y.ctypes.data,
-            n,
-            1,
-        )
+        # columns swapped by its strides: row stride 1, column stride k), SLICE_ROWS rows a call.
+        for i in range(0, m, SLICE_ROWS):
+            rows = min(SLICE_ROWS, m - i)
+            fn(
+                BLIS_NO_TRANSPOSE,
+                BLIS_NO_TRANSPOSE,
+                rows,
+                n,
+                k,
+                one.ctypes.data,
+                x.ctypes.data + i * k * 4,
+                k,
+                1,
+                weight.ctypes.data,
+                1,
+                k,
+                zero.ctypes.data,
+                y.ctypes.data + i * n * 4,
+                n,
+                1,
+            )
         return y
 
     return gemm

@@ -191,6 +191,7 @@ class ProjectedModel:
         sgemv: Callable[[np.ndarray, np.ndarray], np.ndarray],
         body: nn.Module | None = None,
         gemm: Callable[[np.ndarray, np.ndarray], np.ndarray] | None = None,
+        all_rows: bool = False,
     ) -> None:
         self.inner = model
         # What runs before the projection: the model's own body, or the same function
@@ -199,6 +200,9 @@ class ProjectedModel:
         # A decode batch's rows (2..MAX_FEW_ROWS agents, one position each) through BLIS's skinny
         # product (kvshelf.model.few_rows) where that is installed and was verified.
         self._gemm = gemm
+        # Every row through BLIS, one as many (kvshelf.model.gemv.SHAPE_INVARIANT): a row's
+        # logits then do not depend on the batch it was computed in.
+        self._all_rows = all_rows and gemm is not None
         self._project = project
         self._head = head
         self._sgemv = sgemv
@@ -224,6 +228,9 @@ class ProjectedModel:
     def project(self, hidden: mx.array) -> mx.array:
         """Logits for ``hidden`` of shape (batch, length, dim): MLX's matmul for every row,
         except that at batch 1 the last position goes through ``gemv``."""
+        if self._all_rows and self._gemm is not None:
+            rows = buffer_view(hidden.astype(mx.float32)).reshape(-1, hidden.shape[-1])
+            return mx.array(self._gemm(rows, self.weight_view())).reshape(*hidden.shape[:-1], -1)
         if hidden.shape[0] != 1:
             if self._gemm is not None and hidden.shape[1] == 1 and hidden.shape[0] <= MAX_FEW_ROWS:
                 rows = buffer_view(hidden.astype(mx.float32)).reshape(hidden.shape[0], -1)

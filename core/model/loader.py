@@ -116,11 +116,10 @@ def load_from_directory(path: Path, fingerprint: str | None = None) -> LoadedMod
     tok_config_path = path / "tokenizer_config.json"
     tok_config = json.loads(tok_config_path.read_text()) if tok_config_path.exists() else {}
 
+    # The tokenizer's own BOS (what a template's ``bos_token`` renders); whether a prompt
+    # starts with it is the template's to say (``ChatTemplate.writes_bos``), as in
+    # transformers' apply_chat_template, which ignores ``add_bos_token``.
     bos_id = _special_id(tok, tok_config.get("bos_token"))
-    if bos_id is None and "bos_token_id" in config:
-        bos_id = config["bos_token_id"]
-    if not tok_config.get("add_bos_token", bos_id is not None):
-        bos_id = None
     eos = config.get("eos_token_id", [])
     stop_ids = set(eos if isinstance(eos, list) else [eos])
     eos_tok = _special_id(tok, tok_config.get("eos_token"))
@@ -140,6 +139,8 @@ def load_from_directory(path: Path, fingerprint: str | None = None) -> LoadedMod
         template = JinjaTemplate(source, bos_text, eos_text, tool_parser=parser)
     else:
         template = ChatMLTemplate()
+    if not template.writes_bos:
+        bos_id = None
     for s in template.stop_strings:
         sid = tok.token_to_id(s)
         if sid is not None:

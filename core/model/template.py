@@ -28,9 +28,17 @@ VALID_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 
 
 class ChatTemplate(Protocol):
-    """Renders messages to prompt text (without the BOS token)."""
+    """Renders messages to prompt text (without the BOS token).
+
+    ``writes_bos`` says whether the reference rendering (transformers'
+    ``apply_chat_template``, which tokenizes the template's text with
+    ``add_special_tokens=False``) starts with the model's BOS: only a template that writes
+    ``bos_token`` itself gives one, whatever ``add_bos_token`` says. The engine prepends the
+    BOS id exactly then (``kvshelf.model.loader``), so prompt ids equal the reference's.
+    """
 
     stop_strings: tuple[str, ...]
+    writes_bos: bool
 
     def render(self, messages: Sequence[Message], add_generation_prompt: bool = True) -> str: ...
 
@@ -100,6 +108,7 @@ class GemmaTemplate:
     """Gemma's turn format. System text joins the first user turn, as Gemma expects."""
 
     stop_strings: tuple[str, ...] = ("<end_of_turn>",)
+    writes_bos = True  # Gemma's own template starts with ``{{ bos_token }}``
 
     def render(self, messages: Sequence[Message], add_generation_prompt: bool = True) -> str:
         messages, opened = split_open_turn(messages)
@@ -133,6 +142,7 @@ class ChatMLTemplate:
     """A plain role-tagged format for models with no template of their own."""
 
     stop_strings: tuple[str, ...] = ("<|im_end|>",)
+    writes_bos = False  # ChatML writes no BOS (a ``bos_token`` such as <|im_start|> would double it)
 
     def render(self, messages: Sequence[Message], add_generation_prompt: bool = True) -> str:
         messages, opened = split_open_turn(messages)
@@ -243,12 +253,32 @@ class JinjaTemplate:
         from transformers.utils.chat_template_utils import _compile_jinja_template
 
         self._template = _compile_jinja_template(source)  # transformers' cache: compiled once per process
+        self._source = source
         self._bos, self._eos = bos_token, eos_token
         self.stop_strings = stop_strings
         self.tool_parser = tool_parser
         self.renders_tools = "tools" in source
         """True when the template shows ``tools`` itself (else a caller describes them in text)."""
         self._date = datetime.datetime.combine(date, datetime.time())
+        self.writes_bos = self._writes_bos()
+
+    def _writes_bos(self) -> bool:
+        """Whether a rendered conversation starts with the BOS text, probed once on a
+        one-message conversation (a template that refuses that one is taken to write the
+        BOS if it names ``bos_token`` at all)."""
+        if not self._bos:
+            return False
+        try:
+            probe = self._template.render(
+                messages=[{"role": "user", "content": "Hi"}],
+                add_generation_prompt=True,
+                bos_token=self._bos,
+                eos_token=self._eos,
+                strftime_now=self._strftime_now,
+            )
+        except Exception:  # e.g. raise_exception for a conversation without a system turn
+            return "bos_token" in self._source
+        return probe.startswith(self._bos)
 
     def _strftime_now(self, fmt: str) -> str:
         return self._date.strftime(fmt)
