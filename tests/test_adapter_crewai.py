@@ -342,7 +342,10 @@ def test_a_streamed_tool_call_parses_and_runs(cw, tiny, mode):
     assert [json.loads(e.chunk) for e in announced] == [json.loads(c["function"]["arguments"]) for c in calls + again]
     assert all("<tool_call>" not in e.chunk for e in events.of(E.LLMStreamChunkEvent))
     ran: list[dict] = []
-    out = llm.call(
-        MESSAGES, tools=[WEATHER_TOOL], available_functions={"get_weather": lambda **kw: ran.append(kw) or "sunny"}
-    )
+
+    def get_weather(**kw: object) -> str:
+        ran.append(kw)
+        return "sunny"
+
+    out = llm.call(MESSAGES, tools=[WEATHER_TOOL], available_functions={"get_weather": get_weather})
     assert out == "sunny" and ran and set(ran[0]) == {"city", "unit"}
