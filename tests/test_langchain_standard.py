@@ -95,7 +95,7 @@ _MAX_TOKENS = {
     "test_tool_calling_with_no_arguments": 12,
     "test_bind_runnables_as_tools": 20,
     "test_agent_loop": 20,
-    "test_unicode_tool_call_integration": 24,
+    "test_unicode_tool_call_integration": 96,
 }
 
 
