@@ -62,6 +62,7 @@ class Settings:
     # sizes given), constrained vs unconstrained; a reply of k fields may take base + k * per_field tokens
     structured_schemas: int = 20
     structured_fields: tuple[int, ...] = ()
+    structured_kinds: tuple[str, ...] = ("tool", "json")
     structured_max_tokens: int = 64
     structured_tokens_per_field: int = 32
     seed: int = 0

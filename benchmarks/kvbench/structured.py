@@ -215,7 +215,9 @@ def run(ctx: BenchContext) -> dict:
     s = ctx.settings
     engine = ctx.get_engine()
     fields = [int(k) for k in s.structured_fields] or sizes(s.structured_schemas)  # --set gives strings
-    cases = tool_cases(fields) + json_cases(fields)
+    cases = (tool_cases(fields) if "tool" in s.structured_kinds else []) + (
+        json_cases(fields) if "json" in s.structured_kinds else []
+    )
     width = engine.vocabulary.llg.vocab_size
     rows = []
     for i, case in enumerate(cases):
