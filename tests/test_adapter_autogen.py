@@ -516,3 +516,43 @@ async def test_group_chat_prefill_ahead_gives_the_same_replies_with_more_of_each
     # from the second round on, what others said before the last speaker was prefilled ahead
     for plain, ahead in zip(plain_turns[3:], ahead_turns[3:]):
         assert ahead.prompt_tokens == plain.prompt_tokens and ahead.cached_tokens > plain.cached_tokens
+
+
+# -- streaming with tools -------------------------------------------------------------------------
+def bounded_weather(city: str, unit: Literal["celsius", "fahrenheit"]) -> str:
+    """The current weather in a city."""
+    return f"Sunny in {city}, in {unit}."
+
+
+@MODES
+@pytest.mark.asyncio
+@pytest.mark.parametrize("choice", ["required", "named"])
+async def test_create_stream_with_tools_ends_in_calls_that_parse(tiny, mode, choice):
+    """A streamed forced call (constrained): no call text leaks out as content, and the one
+    ``CreateResult`` holds FunctionCalls whose arguments are JSON of the tool's schema."""
+    weather = FunctionTool(bounded_weather, description="The current weather in a city.")
+    ping = FunctionTool(lambda: "pong", name="ping", description="Check that the service is up.")
+    client = make_client(tiny, mode, max_tokens=300)
+    items = [
+        item
+        async for item in client.for_agent(f"stream-tools-{choice}").create_stream(
+            ask("Weather in Paris?"),
+            tools=[weather, ping],
+            tool_choice=weather if choice == "named" else "required",
+            extra_create_args={"parallel_tool_calls": False},
+        )
+    ]
+    result = items[-1]
+    assert isinstance(result, CreateResult) and all(isinstance(i, str) for i in items[:-1])
+    assert "<tool_call>" not in "".join(str(i) for i in items[:-1])  # the call is held back, never streamed
+    assert result.finish_reason == "function_calls" and isinstance(result.content, list) and len(result.content) == 1
+    call = result.content[0]
+    assert isinstance(call, FunctionCall) and call.id
+    assert call.name == "bounded_weather" or (choice == "required" and call.name == "ping")
+    args = json.loads(call.arguments)
+    if call.name == "ping":
+        assert args == {}
+    else:
+        assert set(args) == {"city", "unit"} and args["unit"] in ("celsius", "fahrenheit")
+        assert await weather.run_json(args, CancellationToken())  # the tool runs on them
+    await client.close()

@@ -304,3 +304,48 @@ def test_context_window_and_token_count_come_from_the_model(cw, tiny):
         assert llm.get_context_window_size() == int(tiny.engine.loaded.context_length * 0.85)
         llm.call(MESSAGES)
         assert llm.get_input_tokens_count(MESSAGES) == llm.turns[-1]["prompt_tokens"]
+
+
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather in a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 8}, "unit": {"enum": ["celsius", "fahrenheit"]}},
+            "required": ["city", "unit"],
+        },
+    },
+}
+
+
+@pytest.mark.parametrize("mode", ["local", "remote"])
+def test_a_streamed_tool_call_parses_and_runs(cw, tiny, mode):
+    """``stream=True`` with a forced call (constrained): the tool-call chunk events carry the
+    call, and ``call``/``acall`` return calls whose arguments parse, or run the function."""
+    forced = {"type": "function", "function": {"name": "get_weather"}}
+    llm = make_llm(cw, tiny, mode, stream=True, max_tokens=300, tool_choice=forced, agent_id=f"stream-call-{mode}")
+    E = cw.llm_events
+    with Events(cw, E.LLMStreamChunkEvent) as events:
+        calls = llm.call(MESSAGES, tools=[WEATHER_TOOL])
+        again = asyncio.run(llm.acall(MESSAGES, tools=[WEATHER_TOOL]))
+    for got in (calls, again):
+        assert isinstance(got, list) and len(got) >= 1 and got[0]["id"]
+        assert {c["function"]["name"] for c in got} == {"get_weather"}
+        for c in got:
+            args = json.loads(c["function"]["arguments"])
+            assert (
+                set(args) == {"city", "unit"} and len(args["city"]) <= 8 and args["unit"] in ("celsius", "fahrenheit")
+            )
+    announced = [e for e in events.of(E.LLMStreamChunkEvent) if e.tool_call is not None]
+    assert [json.loads(e.chunk) for e in announced] == [json.loads(c["function"]["arguments"]) for c in calls + again]
+    assert all("<tool_call>" not in e.chunk for e in events.of(E.LLMStreamChunkEvent))
+    ran: list[dict] = []
+
+    def get_weather(**kw: object) -> str:
+        ran.append(kw)
+        return "sunny"
+
+    out = llm.call(MESSAGES, tools=[WEATHER_TOOL], available_functions={"get_weather": get_weather})
+    assert out == "sunny" and ran and set(ran[0]) == {"city", "unit"}

@@ -359,3 +359,55 @@ def test_bind_tools_forced_calls_have_arguments_that_validate(tiny):
             )
     msg = llm.bind_tools([get_weather, ping], tool_choice="any").invoke("Go.")
     assert msg.tool_calls and all(c["name"] in ("get_weather", "ping") for c in msg.tool_calls)
+
+
+# -- streaming with tools: constrained calls, as OpenAI tool-call deltas ---------------------
+@pytest.fixture(scope="module")
+def tiny_url(tiny) -> Iterator[str]:
+    server = ServerThread(create_app(tiny, close_engine=False))
+    yield server.url + "/v1"
+    server.stop()
+
+
+@tool
+def bounded_weather(city: Annotated[str, Field(max_length=8)], unit: Literal["celsius", "fahrenheit"]) -> str:
+    """Weather in a city."""
+    return f"sunny in {city}"
+
+
+@tool
+def ping() -> str:
+    """Check that the service is up."""
+    return "pong"
+
+
+def _merged(chunks: list[Any]) -> AIMessageChunk:
+    full = chunks[0]
+    for chunk in chunks[1:]:
+        full = full + chunk
+    return full
+
+
+def _assert_calls_parse(full: AIMessageChunk, names: set[str]) -> None:
+    assert full.tool_calls and not full.invalid_tool_calls
+    assert full.response_metadata["finish_reason"] == "tool_calls" and "<tool_call>" not in full.text
+    for call in full.tool_calls:
+        assert call["name"] in names and call["id"]
+        if call["name"] == "ping":
+            assert call["args"] == {}
+        else:
+            assert set(call["args"]) == {"city", "unit"} and bounded_weather.invoke(call["args"])
+
+
+@pytest.mark.parametrize("remote", [False, True], ids=["local", "remote"])
+@pytest.mark.parametrize("choice", ["any", "bounded_weather"])
+@pytest.mark.asyncio
+async def test_stream_and_astream_with_bound_tools_end_in_calls_that_parse(tiny, tiny_url, remote, choice):
+    """``bind_tools`` then ``stream``/``astream``: the chunks add up to a message whose tool
+    calls parse (LangChain merges the tool-call chunks by index and parses their args)."""
+    where: dict[str, Any] = {"base_url": tiny_url} if remote else {"engine": tiny}
+    llm = ChatKVShelf(**where, max_tokens=300, agent_id=f"stream-tools-{choice}")
+    bound = llm.bind_tools([bounded_weather, ping], tool_choice=choice)
+    names = {"bounded_weather", "ping"} if choice == "any" else {"bounded_weather"}
+    _assert_calls_parse(_merged(list(bound.stream("Weather in Paris?"))), names)
+    _assert_calls_parse(_merged([c async for c in bound.astream("Weather in Paris?")]), names)

@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_structured_section_compares_constrained_and_free_replies(tiny_dirs, tmp_path):
     out = tmp_path / "report"
     cmd = [sys.executable, str(ROOT / "benchmarks" / "bench.py"), "--model", str(tiny_dirs["llama"]), "--out", str(out)]
-    cmd += ["--sections", "structured", "--set", "structured_schemas=3", "--set", "structured_max_tokens=400"]
+    cmd += ["--sections", "structured", "--set", "structured_fields=1,2,3", "--set", "structured_max_tokens=400"]
     cmd += ["--work-dir", str(tmp_path / "work")]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT / "benchmarks")
     assert proc.returncode == 0, proc.stderr[-4000:]

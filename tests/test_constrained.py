@@ -247,6 +247,83 @@ def test_an_integer_without_bounds_cannot_run_on_forever():
     assert accepted == len('{"n": ') + 16  # 1111111111111111 < 2**53 - 1 < 11111111111111111
 
 
+def _byte_matcher(schema: dict[str, Any]) -> tuple[Any, Any]:
+    import llguidance
+
+    from kvshelf.model.loader import TextTokenizer
+    from kvshelf.structured.constraint import Vocabulary
+    from tests.support.tiny import byte_tokenizer
+
+    vocab = Vocabulary(TextTokenizer(byte_tokenizer(), None, frozenset({0})))
+    return vocab, llguidance.LLMatcher(vocab.llg, json_grammar(schema).source, log_level=0)
+
+
+@pytest.mark.parametrize(
+    "text, kept",
+    [
+        ('{"x": ' + "3" * 30, '{"x": ' + "3" * 16),  # 3333333333333333 < 2**53 - 1 < 33333333333333333
+        ('{"x": 3.' + "0" * 30, '{"x": 3.' + "0" * 10),  # ten digits after the point, no more
+        ('{"x": 1e' + "9" * 30, '{"x": 1'),  # no exponent: bounded numbers are plain decimals
+    ],
+)
+def test_a_number_without_bounds_cannot_run_on_forever(text, kept):
+    """The embedded model wrote ``"lon": 3000000...`` until max_tokens: a number's digits are bounded too."""
+    vocab, matcher = _byte_matcher({"type": "object", "properties": {"x": {"type": "number"}}, "required": ["x"]})
+    ids = vocab.encode(text)
+    assert vocab._tokenizer.decode(ids[: matcher.try_consume_tokens(ids)]) == kept
+
+
+def test_a_bounded_number_still_validates_against_the_declared_schema():
+    """The grammar narrows a schema, never widens it: what it admits is valid as declared."""
+    schema = {"type": "object", "properties": {"r": {"type": ["number", "null"], "maximum": 1}}, "required": ["r"]}
+    out = closed(schema)["properties"]["r"]
+    assert out == {"type": ["number", "null"], "maximum": 1, "minimum": -(2**53 - 1), "multipleOf": 1e-10}
+    cases = [('{"r": -0.25}', True), ('{"r": null}', True), ('{"r": 0.12345678901}', False), ('{"r": 2}', False)]
+    for text, ok in cases:
+        vocab, matcher = _byte_matcher(schema)
+        ids = vocab.encode(text)
+        assert (matcher.try_consume_tokens(ids) == len(ids) and matcher.is_accepting()) is ok, text
+        if ok:
+            jsonschema.validate(json.loads(text), schema)
+
+
+def test_a_call_repeated_word_for_word_ends_the_reply():
+    """Allowed parallel calls, the embedded model writes its one call again until max_tokens:
+    the reply ends before the first exact repeat, and a different call still goes on."""
+    from kvshelf.structured.tools import end_of_repeat
+
+    opening = '<tool_call>{"name": "'
+    a = 'f", "arguments": {"x": 1}}</tool_call>'
+    b = '\n<tool_call>{"name": "f", "arguments": {"x": 2}}</tool_call>'
+    until = end_of_repeat(opening)
+    assert until(a) == -1 and until(a + b) == -1
+    assert until(a + b + b[:-3]) == -1  # the repeat is not complete yet
+    assert until(a + b + b) == len(a + b)  # cut before the newline that opens the repeat
+    assert end_of_repeat(opening)(a + "\n" + opening + a) == len(a)
+
+
+def test_max_tokens_cuts_a_constrained_reply_with_finish_reason_length(engine):
+    """``max_tokens`` is a hard cap, as OpenAI's: a constrained reply that does not fit ends
+    with finish_reason "length", as the text generated, and a cut call is never returned as
+    a call (its arguments could lack required fields)."""
+    long_text = {"type": "object", "properties": {"s": {"type": "string", "minLength": 40}}, "required": ["s"]}
+    r = engine.chat(None, ASK, response_format=_fmt(long_text), max_tokens=8)
+    assert r.finish_reason == "length" and r.usage.completion_tokens == 8
+    assert r.text.startswith('{"s": "') and not _parses(r.text)
+    tool = [{"type": "function", "function": {"name": "note", "parameters": long_text}}]
+    r = engine.chat(None, ASK, tools=tool, tool_choice="required", max_tokens=8)
+    assert r.finish_reason == "length" and r.tool_calls == []
+    assert r.text.startswith('<tool_call>{"name": "note"')
+
+
+def _parses(text: str) -> bool:
+    try:
+        json.loads(text)
+    except json.JSONDecodeError:
+        return False
+    return True
+
+
 # -- over HTTP ------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def http(engine):

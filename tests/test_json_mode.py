@@ -56,7 +56,12 @@ def test_the_server_constrains_forced_calls_and_json_with_a_grammar_instead_of_a
         {"tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
     ):
         turn = prepare(ChatCompletionRequest.model_validate({**base, **extra}), None, GenerationParams(max_tokens=64))
-        assert "until" not in turn.options and turn.options["grammar"].description == "tool_calls"
+        assert turn.options["grammar"].description == "tool_calls"
+        # no cut where the object closes: only a call repeated word for word ends the reply early
+        call = '<tool_call>{"name": "get_weather", "arguments": {}}</tool_call>'
+        until = turn.options["until"]  # fed the reply as it grows, as the scheduler does
+        assert until(call.removeprefix(turn.opening)) == -1
+        assert until((call + "\n" + call).removeprefix(turn.opening)) == len(call) - len(turn.opening)
     as_json = prepare(
         ChatCompletionRequest.model_validate(
             {"messages": base["messages"], "response_format": {"type": "json_object"}}

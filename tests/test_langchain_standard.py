@@ -95,7 +95,7 @@ _MAX_TOKENS = {
     "test_tool_calling_with_no_arguments": 12,
     "test_bind_runnables_as_tools": 20,
     "test_agent_loop": 20,
-    "test_unicode_tool_call_integration": 24,
+    "test_unicode_tool_call_integration": 96,
 }
 
 
@@ -188,7 +188,9 @@ class TestChatKVShelfIntegration(ChatModelIntegrationTests):
 
     @pytest.mark.xfail(
         reason="270M model's choice: the call is well-formed and customer_name is right ('你好啊集团'), "
-        "but the model copies the tool's docstring into the 'description' string and runs past 24 tokens",
+        "but for 'description' (a string with no maxLength) the model copies the tool's docstring and "
+        "goes on writing lines of its own, past the 96 tokens given (finish_reason length: a cut call is "
+        "never returned as a call)",
         strict=True,
     )
     def test_unicode_tool_call_integration(

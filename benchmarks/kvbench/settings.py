@@ -74,9 +74,13 @@ class Settings:
     # Store scale (issue 22): other agents' files in the store, a tiny model's durable turns
     store_sizes: tuple[int, ...] = (0, 1000, 10000, 100000)
     store_repeats: int = 15
-    # Structured output: tool and JSON schemas (1..N fields each), constrained vs unconstrained
+    # Structured output: N tool and N JSON schemas, their sizes spread over 1..20 fields (or the
+    # sizes given), constrained vs unconstrained; a reply of k fields may take base + k * per_field tokens
     structured_schemas: int = 20
-    structured_max_tokens: int = 160
+    structured_fields: tuple[int, ...] = ()
+    structured_kinds: tuple[str, ...] = ("tool", "json")
+    structured_max_tokens: int = 64
+    structured_tokens_per_field: int = 32
     seed: int = 0
     notes: tuple[str, ...] = field(default_factory=tuple)
 
@@ -100,8 +104,7 @@ QUICK = Settings(
     peer_doc_tokens=512,
     phases_max_tokens=8,
     store_sizes=(0, 1000, 10000),
-    structured_schemas=8,
-    structured_max_tokens=64,
+    structured_schemas=4,
 )
 
 FULL = Settings(

@@ -2,9 +2,14 @@
 
 Twenty tool schemas and twenty JSON schemas of increasing complexity (1 to 20 fields:
 strings, bounded integers, enums, numbers, arrays, nested objects, formats, nullable and
-optional fields). Each is asked once with constrained decoding (kvshelf's default) and once
-without it (``plan_output(constrained=False)``: the schema in the prompt, the reply opened
-and cut where its brackets close), greedy, on the same agent, in one run.
+optional fields); a reduced run (``structured_schemas``) takes sizes spread over 1..20,
+both ends included. A reply of k fields may take ``structured_max_tokens +
+structured_tokens_per_field * k`` tokens (digits are one token each in Gemma's
+vocabulary: a 20-field record takes ~600), so a constrained reply ends by its grammar;
+one that is cut anyway is counted invalid and shown (``constrained_cut_by_max_tokens``).
+Each is asked once with constrained decoding (kvshelf's default) and once without it
+(``plan_output(constrained=False)``: the schema in the prompt, the reply opened and cut
+where its brackets close), greedy, on the same agent, in one run.
 
 - valid: a tool reply is valid when it holds a call of the tool whose arguments validate
   against the tool's schema; a JSON reply when it parses and validates against its schema
@@ -116,18 +121,28 @@ def schema_of(fields: list[tuple[str, dict[str, Any], bool]]) -> dict[str, Any]:
     }
 
 
-def json_cases(n: int) -> list[dict[str, Any]]:
+def sizes(n: int, largest: int = len(FIELDS)) -> list[int]:
+    """``n`` schema sizes spread evenly over 1..``largest`` fields, both ends included
+    (a reduced run still covers the simplest and the most complex schema)."""
+    if n >= largest:
+        return list(range(1, largest + 1))
+    if n <= 1:
+        return [largest][:n]
+    return sorted({round(1 + i * (largest - 1) / (n - 1)) for i in range(n)})
+
+
+def json_cases(fields: list[int]) -> list[dict[str, Any]]:
     return [
         {"kind": "json", "fields": k, "schema": schema_of(FIELDS[:k]), "subject": SUBJECTS[k % len(SUBJECTS)]}
-        for k in range(1, n + 1)
+        for k in fields
     ]
 
 
-def tool_cases(n: int) -> list[dict[str, Any]]:
+def tool_cases(fields: list[int]) -> list[dict[str, Any]]:
     """Tool k takes the last k fields, so tools and JSON schemas differ at every size."""
     return [
         {"kind": "tool", "fields": k, "schema": schema_of(FIELDS[len(FIELDS) - k :]), "subject": SUBJECTS[k % 3]}
-        for k in range(1, n + 1)
+        for k in fields
     ]
 
 
@@ -143,7 +158,12 @@ def _ask(case: dict[str, Any], constrained: bool) -> dict[str, Any]:
         "function": {"name": name, "description": "Store one record.", "parameters": case["schema"]},
     }
     text = f"Store a record of {case['subject']} with the {name} tool."
-    return {"messages": [{"role": "user", "content": text}], "tools": [tool], "tool_choice": "required"}
+    return {
+        "messages": [{"role": "user", "content": text}],
+        "tools": [tool],
+        "tool_choice": "required",
+        "parallel_tool_calls": False,  # one record, one call
+    }
 
 
 def _valid(case: dict[str, Any], text: str, calls: list[Any]) -> bool:
@@ -194,21 +214,32 @@ def run(ctx: BenchContext) -> dict:
 
     s = ctx.settings
     engine = ctx.get_engine()
-    cases = tool_cases(s.structured_schemas) + json_cases(s.structured_schemas)
+    fields = [int(k) for k in s.structured_fields] or sizes(s.structured_schemas)  # --set gives strings
+    cases = (tool_cases(fields) if "tool" in s.structured_kinds else []) + (
+        json_cases(fields) if "json" in s.structured_kinds else []
+    )
     width = engine.vocabulary.llg.vocab_size
     rows = []
     for i, case in enumerate(cases):
         ask = _ask(case, True)
         messages = ask.pop("messages")
-        row: dict[str, Any] = {"kind": case["kind"], "fields": case["fields"]}
+        row: dict[str, Any] = {
+            "kind": case["kind"],
+            "fields": case["fields"],
+            "max_tokens": s.structured_max_tokens + s.structured_tokens_per_field * case["fields"],
+        }
         for constrained in (False, True):
             plan = plan_output(
-                ask.get("tools"), ask.get("tool_choice"), True, ask.get("response_format"), constrained=constrained
+                ask.get("tools"),
+                ask.get("tool_choice"),
+                ask.get("parallel_tool_calls", True),
+                ask.get("response_format"),
+                constrained=constrained,
             )
             r = engine.chat(
                 f"structured-{i}",
                 plan.messages(messages),
-                max_tokens=s.structured_max_tokens,
+                max_tokens=row["max_tokens"],
                 grammar=plan.grammar,
                 until=plan.until(),
             )
@@ -229,7 +260,8 @@ def run(ctx: BenchContext) -> dict:
                 row["free_reply"] = (plan.opening + r.text)[:300]
         print(
             f"  structured {case['kind']:4s} {case['fields']:2d} fields: valid free {row['free_valid']!s:5s} "
-            f"constrained {row['constrained_valid']!s:5s}  ms/token {row['free_ms_per_token'] or 0:.1f} vs "
+            f"constrained {row['constrained_valid']!s:5s} ({row['constrained_tokens']}/{row['max_tokens']} tokens, "
+            f"{row['constrained_finish']})  ms/token {row['free_ms_per_token'] or 0:.1f} vs "
             f"{row['constrained_ms_per_token'] or 0:.1f}, mask {row['mask_compute_ms'] or 0:.2f} + "
             f"{row['mask_apply_ms'] or 0:.2f} ms",
             flush=True,
@@ -248,9 +280,12 @@ def run(ctx: BenchContext) -> dict:
         "summary": summary,
         "extra_tables": {"Summary": summary},
         "description": (
-            f"Model {engine.loaded.name}, greedy, at most {s.structured_max_tokens} tokens per reply. "
-            f"{s.structured_schemas} tool schemas (tool_choice required) and {s.structured_schemas} JSON schemas "
-            "(response_format json_schema), 1 to 20 fields each, asked unconstrained (schema in the prompt, reply "
+            f"Model {engine.loaded.name}, greedy, at most {s.structured_max_tokens} + "
+            f"{s.structured_tokens_per_field} x fields tokens per reply. {len(fields)} tool schemas (tool_choice "
+            f"required, parallel_tool_calls false) and {len(fields)} JSON schemas (response_format json_schema) "
+            f"of {', '.join(map(str, fields))} fields"
+            f"{'' if len(fields) == len(FIELDS) else f' (a reduced run: {len(fields)} of the {len(FIELDS)} sizes)'}, "
+            "asked unconstrained (schema in the prompt, reply "
             "opened and cut where it closes) and constrained (llguidance's token mask), one after the other on "
             "the same agent. ms/token: decode time over the tokens after the first. Mask compute: llguidance's "
             "mask for each token of the constrained reply, replayed on a fresh matcher (in the engine this runs "
@@ -279,6 +314,7 @@ def _summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "schemas": f"{kind} ({len(sel)})",
                 "valid_free": sum(r["free_valid"] for r in sel) / len(sel),
                 "valid_constrained": sum(r["constrained_valid"] for r in sel) / len(sel),
+                "constrained_cut_by_max_tokens": sum(r["constrained_finish"] == "length" for r in sel),
                 "free_ms_per_token": free_ms,
                 "constrained_ms_per_token": cons_ms,
                 "constrained_over_free": cons_ms / free_ms if cons_ms and free_ms else None,

@@ -13,8 +13,12 @@ Schemas are closed where they leave it open: an object schema with ``properties`
 no ``additionalProperties`` gets ``additionalProperties: false`` (what xgrammar's strict
 mode and OpenAI's ``strict`` do). JSON Schema's own default would let the model add keys
 of its own, which is exactly how small models fail a schema (they copy the schema in).
-An integer without bounds gets JSON's interoperable range, ±(2**53 - 1) (RFC 8259), so
-a model cannot write digits until ``max_tokens`` (a number's fraction still can).
+A number or integer without bounds gets JSON's interoperable range, ±(2**53 - 1) (RFC
+8259), and a number at most ten digits after the point (``multipleOf: 1e-10``), so a model
+cannot write digits until ``max_tokens`` (a 270M model writes ``"lon": 3000000...`` or
+``3.00000...`` otherwise). The reply is then a subset of what the declared schema allows:
+it still validates against it. (Exponents are not written: llguidance's bounded numbers
+are plain decimals.)
 
 The tool-call grammar follows the calling convention in ``tools``: ``<tool_call>``, a
 ``{"name": ..., "arguments": ...}`` object whose arguments match that tool's schema,
@@ -41,6 +45,8 @@ JSON_STYLE: dict[str, Any] = {"whitespace_flexible": False, "item_separator": ",
 ANY_OBJECT: dict[str, Any] = {"type": "object"}
 NO_ARGUMENTS: dict[str, Any] = {"type": "object", "properties": {}}
 SAFE_INTEGER = 2**53 - 1  # RFC 8259's interoperable integer range (JavaScript's Number.MAX_SAFE_INTEGER)
+FRACTION_DIGITS = 10  # the most llguidance's ``multipleOf`` takes (1e-11 and finer are refused as "too many digits")
+FRACTION_STEP = float(f"1e-{FRACTION_DIGITS}")
 _VALUES = frozenset({"const", "enum", "default", "examples", "required"})  # JSON data, not schemas
 _NAMED = ("properties", "$defs", "definitions", "patternProperties", "dependentSchemas")
 
@@ -60,8 +66,8 @@ class Grammar:
 
 def closed(schema: Any) -> Any:
     """A copy of ``schema`` in which every object schema that lists ``properties`` but
-    says nothing of others gets ``additionalProperties: false``, and every integer
-    without bounds the safe range."""
+    says nothing of others gets ``additionalProperties: false``, every integer or number
+    without bounds the safe range, and every number a finest step of ``1e-10``."""
     if isinstance(schema, list):
         return [closed(s) for s in schema]
     if not isinstance(schema, Mapping):
@@ -73,12 +79,15 @@ def closed(schema: Any) -> Any:
     if "properties" in out and "additionalProperties" not in out and "patternProperties" not in out:
         out["additionalProperties"] = False
     kinds = out.get("type")
-    if kinds == "integer" or (isinstance(kinds, list) and "integer" in kinds):
+    kinds = set(kinds) if isinstance(kinds, list) else {kinds}
+    if kinds & {"integer", "number"}:
         # a small model may write digits until max_tokens: bound what the schema leaves open
         if "maximum" not in out and "exclusiveMaximum" not in out:
             out["maximum"] = SAFE_INTEGER
         if "minimum" not in out and "exclusiveMinimum" not in out:
             out["minimum"] = -SAFE_INTEGER
+    if "number" in kinds and "multipleOf" not in out:
+        out["multipleOf"] = FRACTION_STEP  # at most FRACTION_DIGITS digits after the point
     return out
 
 

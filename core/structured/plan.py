@@ -57,8 +57,12 @@ class OutputPlan:
         return out
 
     def until(self) -> Callable[[str], int] | None:
-        """Where an unconstrained reply is complete (the grammar decides otherwise)."""
+        """Where a reply is complete: for an unconstrained one, where its call or object
+        closes; a constrained one ends where its grammar does, or where it starts to
+        repeat a call it has already made (``tools.end_of_repeat``)."""
         if self.grammar is not None:
+            if self.tools and self.parallel_tool_calls:
+                return calling.end_of_repeat(self.opening)
             return None
         if self.tools and self.opening:
             return calling.end_of_call(self.opening)

@@ -254,6 +254,45 @@ def end_of_call(opening: str) -> Callable[[str], int]:
     return until
 
 
+def end_of_repeat(opening: str) -> Callable[[str], int]:
+    """For a constrained reply that may hold several calls: where the reply ends because
+    the model has begun to repeat itself, or -1.
+
+    A small model allowed parallel calls tends to write the same call again and again
+    until ``max_tokens`` (the parser drops exact repeats anyway). The reply is cut right
+    before the first call that repeats an earlier one word for word, once that call is
+    complete: the calls before it are what the model had to say, the reply ends with
+    ``finish_reason`` "tool_calls" instead of "length", and no token past the repeat is
+    spent. Fed the reply after ``opening``; linear work per closed call."""
+    seen: set[str] = set()
+    checked = 0  # calls already compared
+
+    def until(text: str) -> int:
+        nonlocal checked
+        whole = opening + text
+        if whole.count(CLOSE) <= checked:
+            return -1
+        bodies = list(_closed_calls(whole))
+        for start, body in bodies[checked:]:
+            if body in seen:
+                cut = start - len(opening)
+                return max(0, cut - 1 if text[:cut].endswith("\n") else cut)
+            seen.add(body)
+        checked = len(bodies)
+        return -1
+
+    return until
+
+
+def _closed_calls(text: str) -> list[tuple[int, str]]:
+    """(where the tag opens, the body) of every closed ``<tool_call>...</tool_call>``."""
+    out, pos = [], 0
+    while (start := text.find(OPEN, pos)) >= 0 and (end := text.find(CLOSE, start)) >= 0:
+        out.append((start, text[start + len(OPEN) : end].strip()))
+        pos = end + len(CLOSE)
+    return out
+
+
 class ToolCallStream:
     """Streams content while holding back anything that may become a tool call.
 
