@@ -247,7 +247,7 @@ def create_app(
     @router.post("/v1/chat/completions", response_model=None)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         check_max_tokens(body, engine.loaded.context_length)
-        turn = prepare(body, request.headers.get(AGENT_HEADER), defaults)
+        turn = prepare(body, request.headers.get(AGENT_HEADER), defaults, engine.native_tools)
         stream = engine.astream(turn.agent_id, turn.messages, **turn.options)
         assert isinstance(stream, AsyncGenerator)  # astream is an async generator: it can be closed
 
@@ -278,8 +278,9 @@ def create_app(
     def tokenize(body: ChatCompletionRequest) -> dict:
         """How many prompt tokens a chat request is, as rendered for the model (tools and
         JSON mode included): what clients need for count_tokens / remaining_tokens."""
-        turn = prepare(body, None, defaults)
-        ids = engine.loaded.tokenizer.encode_prompt(engine.loaded.template.render(turn.messages))
+        turn = prepare(body, None, defaults, engine.native_tools)
+        text = engine.loaded.template.render(turn.messages, tools=turn.options.get("tools"))
+        ids = engine.loaded.tokenizer.encode_prompt(text)
         return {"object": "tokenize", "prompt_tokens": len(ids), "context_length": engine.loaded.context_length}
 
     @router.get("/v1/agents")
