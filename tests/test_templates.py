@@ -19,6 +19,7 @@ from kvshelf.model.template import (
     native_tool_parser,
 )
 from kvshelf.runtime.engine import Engine
+from kvshelf.runtime.results import ChatResult, Usage
 from kvshelf.serving.completions import ReplyShaper, prepare
 from kvshelf.serving.openai_api import ChatCompletionRequest
 from kvshelf.serving.server import create_app
@@ -158,6 +159,10 @@ def test_a_streamed_reply_shows_its_content_and_holds_back_its_native_calls():
     reply = f"Checking <tool_call>{CALL[len('<tool_call>') :]}"
     shown = "".join(shaper.feed(reply[i : i + 3]) for i in range(0, len(reply), 3))
     assert shown == "Checking "  # nothing of the call, not even the start of its tag
+    result = ChatResult(reply, "stop", Usage(10, 0, 20), 0.1)
+    tail, calls, finish = shaper.finish(result)
+    assert tail == "" and finish == "tool_calls"
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_tide", {"port": "Dover"})]
     stream = parser.stream(TOOLS)
     assert stream.feed("a <tool") == "a " and stream.feed("box> b") == "<toolbox> b"  # a false start is released
 
@@ -192,6 +197,13 @@ def test_a_tiny_model_is_shown_its_tools_by_its_own_template_and_reuses_that_pre
         body = {"model": "m", "messages": msgs, "tools": TOOLS}
         counted = httpx.post(f"{server.url}/v1/tokenize", json=body, timeout=30).json()["prompt_tokens"]
         assert counted == len(shown)
+        # an append with tools prefills what the agent's next chat with them renders
+        appended = httpx.post(f"{server.url}/v1/agents/planner/append", json=body, timeout=60).json()
+        assert appended["prompt_tokens"] == len(shown)
+        chat = httpx.post(
+            f"{server.url}/v1/chat/completions", json={**body, "max_tokens": 2}, headers={"X-Agent-Id": "planner"}
+        ).json()
+        assert chat["usage"]["prompt_tokens_details"]["cached_tokens"] >= len(shown) - 2
     finally:
         server.stop()
         engine.close()

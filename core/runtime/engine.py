@@ -319,7 +319,14 @@ class Engine:
         """
         return self.prefill_ahead(agent_id, messages, background=False).result()
 
-    def prefill_ahead(self, agent_id: str, messages: Sequence[Message], *, background: bool = True) -> Future[Appended]:
+    def prefill_ahead(
+        self,
+        agent_id: str,
+        messages: Sequence[Message],
+        *,
+        background: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+    ) -> Future[Appended]:
         """Like ``append``, but queued at the lowest priority; returns a Future of ``Usage``.
 
         Background prefill runs one chunk at a time, only while no request waits for its
@@ -328,6 +335,8 @@ class Engine:
         stops after its chunk, keeps what it computed, and its Future resolves with the
         tokens done so far. Meant for group chats: when a message is added to the shared
         history, queue it for the agents who will speak later.
+        ``tools``: for a model's own template that shows them, as in ``stream`` (the
+        agent's next chat renders them alike).
         """
         done: Future[Appended] = Future()
 
@@ -340,7 +349,7 @@ class Engine:
                 saved = event.saved if isinstance(event, Prefilled) else None
                 done.set_result(Appended(len(request.prompt), request.cached, 0, saved=saved))
 
-        request = self._request(validate_agent_id(agent_id), messages, emit, None)
+        request = self._request(validate_agent_id(agent_id), messages, emit, None, tools=tools)
         request.background = background
         self._scheduler.submit(request)
         return done

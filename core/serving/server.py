@@ -345,8 +345,8 @@ def create_app(
         With ``background: true`` it is queued at the lowest priority (prefill ahead) and
         answered at once with 202."""
         aid = path_agent_id(agent_id)
-        turn = prepare(body, None, defaults)
-        future = engine.prefill_ahead(aid, turn.messages, background=body.background)
+        turn = prepare(body, None, defaults, engine.native_tools)  # rendered as the agent's next chat will be
+        future = engine.prefill_ahead(aid, turn.messages, background=body.background, tools=turn.options.get("tools"))
         if body.background:
             return JSONResponse({"object": "agent.append", "agent_id": aid, "queued": True}, 202)
         usage = await asyncio.wrap_future(future)
