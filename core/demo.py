@@ -235,7 +235,9 @@ def _speak(engine: Engine, console: Console, agent: str, minutes: str, turn: int
         until=_after_sentences(SENTENCES),
         progress=_prefill_progress(console, AGENTS_NAMES[agent], t0),
     )
-    speaker = f"  {SPEAKERS[agent]}: {_opening(agent, turn)}"
+    opening = _opening(agent, turn)
+    # on a terminal the opening is dim: those are the prompt's words, not the model's
+    speaker = f"  {SPEAKERS[agent]}: " + (f"\033[2m{opening}\033[0m" if console.tty else opening)
     try:
         for item in stream:
             if speaker:  # the speaker's line starts with its first words, after any progress note
