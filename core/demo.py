@@ -87,18 +87,32 @@ OPENINGS = {
     "shopkeeper": "For the shops on Station Road, I think",
     "student": "For young people, I think",
 }
-"""The first words of each agent's speeches, written into its minutes before the model
-continues them: a base model told only a name tends to repeat the line before; told how
-a speech starts, it gives a view. They are shown as part of the reply, and kept in the
-minutes. From the second round on, each speech answers the one before it (``REPLY``):
-told to open as it did, a base model repeats its own earlier speech word for word."""
-REPLY = "In reply to {name}, I think"
+"""The first words of each agent's first speech, written into its minutes before the
+model continues them: a base model told only a name tends to repeat the line before;
+told how a speech starts, it gives a view. They are shown as part of the reply (dim, on
+a terminal), and kept in the minutes."""
 
 CHAIR = (
     "Chair: Thank you all for coming. Let us hear each of you in turn, briefly: which proposal "
     "should the council back, and why?"
 )
-NEXT_ROUND = "Chair: Round {turn}. What do you say to the points made so far?"
+
+LATER_ROUNDS = [
+    ("What do you say to the points made so far?", "In reply to {name}, I think"),
+    ("What would change your mind?", "What would change my mind is"),
+    ("What should the council do first?", "First, the council should"),
+]
+"""From the second round on, the chair's question and how every speech starts, in turn
+(then again from the top). Each round asks something new: told to open a speech as an
+earlier one opened, a base model repeats that speech word for word (the penalties below
+count only what it generates, not the minutes it reads)."""
+
+
+def _round(turn: int) -> tuple[str, str]:
+    """(the chair's line, the opening) of a round after the first."""
+    question, opening = LATER_ROUNDS[(turn - 2) % len(LATER_ROUNDS)]
+    return f"Chair: Round {turn}. {question}", opening
+
 
 SAMPLING = {"temperature": 0.9, "top_p": 0.95, "frequency_penalty": 0.8, "presence_penalty": 0.4}
 """How the replies are sampled. Greedy decoding makes the 270M base model say the same line
@@ -211,7 +225,7 @@ def _opening(agent: str, turn: int) -> str:
     if turn == 1:
         return OPENINGS[agent]
     order = list(AGENTS)
-    return REPLY.format(name=AGENTS_NAMES[order[order.index(agent) - 1]])
+    return _round(turn)[1].format(name=AGENTS_NAMES[order[order.index(agent) - 1]])
 
 
 def _speak(engine: Engine, console: Console, agent: str, minutes: str, turn: int, max_tokens: int) -> ChatResult:
@@ -329,7 +343,7 @@ def _round_table(engine: Engine, console: Console, turns: int, max_tokens: int, 
         console.write(f"round {turn}\n")
         if turn > 1 and not spoken:
             for other in AGENTS:
-                minutes[other] += NEXT_ROUND.format(turn=turn) + "\n\n"
+                minutes[other] += _round(turn)[0] + "\n\n"
         for agent in AGENTS:
             if agent in spoken:
                 continue  # spoke in this round before an interrupted run stopped
