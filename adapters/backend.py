@@ -130,7 +130,7 @@ class LocalBackend:
         except ValidationError as exc:
             raise self._error(invalid_request(exc.errors())) from None
         try:
-            return req, self._c.prepare(req, agent_id)
+            return req, self._c.prepare(req, agent_id, None, self.engine.native_tools)
         except Exception as exc:
             raise self._error(exc) from None
 

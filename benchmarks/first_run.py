@@ -85,16 +85,20 @@ def main() -> int:
     no_openblas = slow.finish()
 
     stop = Demo([*common, "--cache-dir", str(work / "c"), "--fresh"], {})
-    stop.wait_until(lambda t: "Ada (planner): " in t)
-    time.sleep(1.0)  # inside the cold prefill of the first turn
+    stop.wait_until(lambda t: "round 1\n" in t)
+    time.sleep(1.0)  # inside the cold prefill of the first turn (about 2.5 s on the idle machine)
     sigint_at = time.perf_counter()
     stop.proc.send_signal(signal.SIGINT)
     stop.wait_until(lambda t: "interrupted: stopping" in t)
     noticed = time.perf_counter() - sigint_at
+    stop.wait_until(lambda t: "run kvshelf demo again to continue" in t)
+    reported = time.perf_counter() - sigint_at
     interrupted = stop.finish()
     ctrl_c = {
         "rc": interrupted["rc"],
         "sigint_to_message_s": round(noticed, 2),
+        "sigint_to_saved_report_s": round(reported, 2),  # the reply stopped, saves flushed, what is on disk said
+        "in_cold_prefill": "Ada (town planner):" not in interrupted["output"].partition("interrupted: stopping")[0],
         "sigint_to_exit_s": round(time.perf_counter() - sigint_at, 2),
         "traceback": "Traceback" in interrupted["output"],
     }

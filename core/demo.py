@@ -1,6 +1,8 @@
-"""``kvshelf demo``: four agents with their own system prompts hold a round-table.
+"""``kvshelf demo``: four agents, each with its own notes, hold a council meeting.
 
-Each agent's reply streams as it is generated, and beside it: where its cache came
+Each agent keeps its own minutes of the meeting (its notes, the briefing, every speech
+so far) and its own KV cache of them; in its turn the model continues its minutes with
+its speech. Each agent's reply streams as it is generated, and beside it: where its cache came
 from (cold: computed from nothing; warm: restored from disk; hot: still in RAM), how
 many prompt tokens were reused, its time to first token and the bytes it holds. A
 cold prefill that takes more than a couple of seconds shows its progress.
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import sys
 import threading
@@ -25,6 +28,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from kvshelf.runtime.engine import ChatResult, Engine
+from kvshelf.runtime.params import GenerationParams
 
 TOPIC = """\
 Briefing for the Millbrook town council, spring session.
@@ -61,15 +65,73 @@ station closed. The town has 2,100 residents aged 16 to 25 and no youth centre.
 """
 
 AGENTS = {
-    "planner": "You are Ada, the town planner. You care about budgets, zoning and traffic. "
-    "Answer in two short sentences.",
-    "historian": "You are Ben, the local historian. You care about heritage and the station's "
-    "Victorian brickwork. Answer in two short sentences.",
-    "shopkeeper": "You are Cleo, who runs the bakery on Station Road. You care about foot "
-    "traffic and small businesses. Answer in two short sentences.",
-    "student": "You are Dev, a student who cycles everywhere. You care about young people and "
-    "cheap places to meet. Answer in two short sentences.",
+    "planner": "Ada, the town planner, who cares about budgets, zoning and the traffic on Station Road",
+    "historian": "Ben, the local historian, who cares about heritage and the station's Victorian brickwork",
+    "shopkeeper": "Cleo, who runs the bakery on Station Road and cares about foot traffic and small shops",
+    "student": "Dev, a student who cycles everywhere and wants a cheap place for young people to meet",
 }
+"""Who each agent is: the first line of its own notes, so every agent's cache starts differently."""
+
+AGENTS_NAMES = {"planner": "Ada", "historian": "Ben", "shopkeeper": "Cleo", "student": "Dev"}
+SPEAKERS = {
+    "planner": "Ada (town planner)",
+    "historian": "Ben (historian)",
+    "shopkeeper": "Cleo (baker on Station Road)",
+    "student": "Dev (student)",
+}
+"""How each agent is named in the minutes."""
+
+OPENINGS = {
+    "planner": "On the budget, I think",
+    "historian": "For the town's heritage, I think",
+    "shopkeeper": "For the shops on Station Road, I think",
+    "student": "For young people, I think",
+}
+"""The first words of each agent's first speech, written into its minutes before the
+model continues them: a base model told only a name tends to repeat the line before;
+told how a speech starts, it gives a view. They are shown as part of the reply (dim, on
+a terminal), and kept in the minutes."""
+
+CHAIR = (
+    "Chair: Thank you all for coming. Let us hear each of you in turn, briefly: which proposal "
+    "should the council back, and why?"
+)
+
+LATER_ROUNDS = [
+    ("What do you say to the points made so far?", "In reply to {name}, I think"),
+    ("What would change your mind?", "What would change my mind is"),
+    ("What should the council do first?", "First, the council should"),
+]
+"""From the second round on, the chair's question and how every speech starts, in turn
+(then again from the top). Each round asks something new: told to open a speech as an
+earlier one opened, a base model repeats that speech word for word (the penalties below
+count only what it generates, not the minutes it reads)."""
+
+
+def _round(turn: int) -> tuple[str, str]:
+    """(the chair's line, the opening) of a round after the first."""
+    question, opening = LATER_ROUNDS[(turn - 2) % len(LATER_ROUNDS)]
+    return f"Chair: Round {turn}. {question}", opening
+
+
+SAMPLING = {"temperature": 0.9, "top_p": 0.95, "frequency_penalty": 0.8, "presence_penalty": 0.4}
+"""How the replies are sampled. Greedy decoding makes the 270M base model say the same line
+each turn (and every agent the same line); sampling with OpenAI's frequency and presence
+penalties (``kvshelf.runtime.sampling``) gives each agent its own words. The seed is the
+agent's and the round's, so a run with ``--fresh`` says the same again."""
+
+SENTENCES = 2
+"""A speech ends after this many sentences (or at the end of its line, or at ``max_tokens``)."""
+
+NEWLINE_BIAS = -4.0
+"""A base model often ends a line after a few words; the newline tokens are made less
+likely (OpenAI's ``logit_bias``), so a speech says something before its line ends."""
+
+
+def _newline_bias(engine: Engine) -> tuple[tuple[int, float], ...]:
+    """``logit_bias`` against the tokens that are only line breaks."""
+    ids = {found[0] for text in ("\n", "\n\n") if len(found := engine.loaded.tokenizer.encode(text)) == 1}
+    return tuple((i, NEWLINE_BIAS) for i in sorted(ids))
 
 
 PROGRESS_AFTER_S = 2.0
@@ -95,7 +157,11 @@ def _stats(r: ChatResult, ram: int, disk: int) -> str:
 
 
 class Console:
-    """Streams replies to a terminal or a pipe; rewrites the progress line only on a TTY."""
+    """Streams replies to a terminal or a pipe.
+
+    A progress note has a line of its own: on a terminal it is rewritten in place and
+    erased before the next text, in a pipe each note is a line. Text never lands in the
+    middle of a note, nor a note in the middle of a reply."""
 
     def __init__(self, out: TextIO | None = None) -> None:
         self.out = out or sys.stdout
@@ -110,26 +176,26 @@ class Console:
             self.out.flush()
 
     def progress(self, text: str) -> None:
-        """Show (or update) a progress note; cleared by the next write on a TTY."""
+        """Show (or update) a progress note on its own line; on a terminal, the next write replaces it."""
         with self._lock:
             if self.tty:
-                self.out.write("\0337" + text + "\0338")  # save cursor, write, restore: erased by the next write
+                self.out.write("\r\033[K" + text)  # back to the line's start, erase it, write the note
                 self._progress_shown = True
             else:
-                self.out.write(text + " ")
+                self.out.write(text + "\n")
             self.out.flush()
 
     def _clear_progress(self) -> None:
         if self._progress_shown:
-            self.out.write("\033[K")  # erase from the cursor to the end of the line
+            self.out.write("\r\033[K")
             self._progress_shown = False
 
 
-def _prefill_progress(console: Console, t0: float) -> Callable[[int, int], None]:
+def _prefill_progress(console: Console, who: str, t0: float) -> Callable[[int, int], None]:
     def show(done: int, total: int) -> None:
         elapsed = time.perf_counter() - t0
         if elapsed >= PROGRESS_AFTER_S:
-            console.progress(f"(prefill {done}/{total} tokens, {100 * done // total}%, {elapsed:.0f} s)")
+            console.progress(f"  ({who}: prefill {done}/{total} tokens, {100 * done // total}%, {elapsed:.0f} s)")
 
     return show
 
@@ -140,25 +206,57 @@ def _printable(text: str) -> str:
     return "".join(c if c.isprintable() else " " for c in text)
 
 
-def _speak(engine: Engine, console: Console, agent: str, messages: list[dict], max_tokens: int) -> ChatResult:
-    """One agent's turn, streamed to the console.
+_SENTENCE_END = re.compile(r"(?<=[^\W\d_]|[)\"'])[.!?](?=\s)")
+
+
+def _after_sentences(n: int) -> Callable[[str], int]:
+    """``until`` for the engine: the reply is complete after its ``n``-th sentence (a stop
+    after a letter and before a space: "3.5" and a list's "2. " do not end one)."""
+
+    def until(text: str) -> int:
+        ends = [m.end() for m in _SENTENCE_END.finditer(text)]
+        return ends[n - 1] if len(ends) >= n else -1
+
+    return until
+
+
+def _opening(agent: str, turn: int) -> str:
+    """How the agent's speech in this round starts: its own opening, then a reply to the speaker before it."""
+    if turn == 1:
+        return OPENINGS[agent]
+    order = list(AGENTS)
+    return _round(turn)[1].format(name=AGENTS_NAMES[order[order.index(agent) - 1]])
+
+
+def _speak(engine: Engine, console: Console, agent: str, minutes: str, turn: int, max_tokens: int) -> ChatResult:
+    """One agent's turn, streamed to the console: the model continues the agent's minutes
+    after "<speaker>: <its opening>".
 
     The embedded model is a base model, not instruction-tuned: asked in chat form, it
-    mostly repeats its prompt. Opening its turn in the agent's voice (an open assistant
-    message, continued by the model) and ending the reply at the line's end makes it
-    speak instead; the opening becomes part of the reply, so the next turn's prompt still
-    starts with this one's tokens."""
-    console.write(f"  {AGENTS_NAMES[agent]} ({agent}): {OPENINGS[agent]}")
+    mostly repeats its prompt. So each agent's prompt is a document a base model knows
+    how to go on with, the minutes of the meeting as this agent has heard it, sent as an
+    open assistant message (``"prefix": True``) that the model continues. The next turn's
+    minutes start with this turn's prompt and reply, so its cache is reused."""
+    index = list(AGENTS).index(agent)
+    params = GenerationParams(
+        max_tokens=max_tokens, seed=1000 * turn + index, stop=("\n",), logit_bias=_newline_bias(engine), **SAMPLING
+    )
     t0 = time.perf_counter()
     stream = engine.stream(
         f"demo-{agent}",
-        [*messages, {"role": "assistant", "content": OPENINGS[agent], "prefix": True}],
-        max_tokens=max_tokens,
-        stop=["\n"],
-        progress=_prefill_progress(console, t0),
+        [{"role": "assistant", "content": minutes + f"{SPEAKERS[agent]}: {_opening(agent, turn)}", "prefix": True}],
+        params,
+        until=_after_sentences(SENTENCES),
+        progress=_prefill_progress(console, AGENTS_NAMES[agent], t0),
     )
+    opening = _opening(agent, turn)
+    # on a terminal the opening is dim: those are the prompt's words, not the model's
+    speaker = f"  {SPEAKERS[agent]}: " + (f"\033[2m{opening}\033[0m" if console.tty else opening)
     try:
         for item in stream:
+            if speaker:  # the speaker's line starts with its first words, after any progress note
+                console.write(speaker)
+                speaker = ""
             if isinstance(item, ChatResult):
                 return item
             console.write(_printable(item))
@@ -207,7 +305,7 @@ def _stop(engine: Engine, console: Console) -> None:
         # the one that answers the first flush; the second waits for that save too.
         engine.flush()
         unsaved = set(engine.flush())
-        saved = [a for a in engine.agents() if a.agent_id.startswith("demo-") and a.disk_bytes]
+        saved = [a for agent in AGENTS if (a := engine.agent(f"demo-{agent}")) is not None and a.disk_bytes]
         for a in saved:
             mark = "NOT saved (kept in RAM only)" if a.agent_id in unsaved else "saved"
             console.write(
@@ -228,12 +326,13 @@ def _round_table(engine: Engine, console: Console, turns: int, max_tokens: int, 
         for agent in AGENTS:
             engine.forget(f"demo-{agent}")
         state_file.unlink(missing_ok=True)
-    state = json.loads(state_file.read_text()) if state_file.exists() else _new_state()
-    state.setdefault("spoken", [])
-    histories, unheard = state["histories"], state["unheard"]
+    state = json.loads(state_file.read_text()) if state_file.exists() else {}
+    if "minutes" not in state:  # none yet, or a state an older demo wrote
+        state = _new_state()
+    minutes, spoken = state["minutes"], state["spoken"]
     first_turn = state["turn"] + 1
     console.write(f"kvshelf demo: {len(AGENTS)} agents on {engine.loaded.name}; caches in {engine.cache_dir}\n")
-    if first_turn > 1 or state["spoken"]:
+    if first_turn > 1 or spoken:
         console.write(
             f"continuing the conversation at round {first_turn}: every agent's cache should come back warm from disk\n"
         )
@@ -242,28 +341,28 @@ def _round_table(engine: Engine, console: Console, turns: int, max_tokens: int, 
     ttfts: dict[str, list[float]] = {"hot": [], "warm": [], "cold": []}
     for turn in range(first_turn, first_turn + turns):
         console.write(f"round {turn}\n")
-        for agent in AGENTS:
-            if agent in state["spoken"]:
-                continue  # spoke in this round before an interrupted run stopped
-            # Like a framework's agent memory: the agent hears what others said since its
-            # last turn, as one user message, and its own replies stay assistant messages.
-            heard = unheard[agent] + [f"Round {turn}: what do you say now?"]
-            messages = histories[agent] + [{"role": "user", "content": "\n".join(heard)}]
-            result = _speak(engine, console, agent, messages, max_tokens)
-            engine.flush()  # saves are written behind; wait so the disk column is current
-            said = OPENINGS[agent] + result.text
-            histories[agent][:] = messages + [{"role": "assistant", "content": said}]
-            unheard[agent] = []
+        if turn > 1 and not spoken:
             for other in AGENTS:
-                if other != agent:
-                    unheard[other].append(f"{AGENTS_NAMES[agent]} said: {said.strip()}")
-            info = next(a for a in engine.agents() if a.agent_id == f"demo-{agent}")
-            console.write(f"\n      {_stats(result, info.ram_bytes, info.disk_bytes)}\n")
+                minutes[other] += _round(turn)[0] + "\n\n"
+        for agent in AGENTS:
+            if agent in spoken:
+                continue  # spoke in this round before an interrupted run stopped
+            result = _speak(engine, console, agent, minutes[agent], turn, max_tokens)
+            engine.flush()  # saves are written behind; wait so the disk column is current
+            line = f"{SPEAKERS[agent]}: {_opening(agent, turn)}{result.text}".rstrip()
+            # Like a framework's agent memory: every agent's minutes get what was said,
+            # the speaker's own (its prompt and reply, so its next turn reuses its cache).
+            for other in AGENTS:
+                minutes[other] += line + "\n\n"
+            info = engine.agent(f"demo-{agent}")
+            ram, disk = (info.ram_bytes, info.disk_bytes) if info is not None else (0, 0)
+            console.write(f"\n      {_stats(result, ram, disk)}\n")
             counts[result.cache] += 1
             ttfts[result.cache].append(result.ttft_s)
-            state["spoken"].append(agent)
+            spoken.append(agent)
             _save_state(state_file, state)  # after every reply: an interrupted run resumes here
-        state["turn"], state["spoken"] = turn, []
+        state["turn"] = turn
+        spoken.clear()
         _save_state(state_file, state)
     wall = time.perf_counter() - t0
     medians = {k: sorted(v)[len(v) // 2] for k, v in ttfts.items() if v}
@@ -280,18 +379,13 @@ def _save_state(path: Path, state: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
-def _new_state() -> dict:
+def _new_state() -> dict[str, Any]:
+    """Each agent's minutes start with its own notes, then the briefing and the chair's question."""
     return {
         "turn": 0,
-        "histories": {a: [{"role": "system", "content": p}] for a, p in AGENTS.items()},
-        "unheard": {a: [TOPIC] for a in AGENTS},
+        "spoken": [],
+        "minutes": {
+            a: f"Notes of {who}.\n\n{TOPIC}\nMinutes of the council meeting.\n\n{CHAIR}\n\n"
+            for a, who in AGENTS.items()
+        },
     }
-
-
-AGENTS_NAMES = {"planner": "Ada", "historian": "Ben", "shopkeeper": "Cleo", "student": "Dev"}
-OPENINGS = {
-    "planner": "As the town planner, I think",
-    "historian": "As the town's historian, I think",
-    "shopkeeper": "As the baker on Station Road, I think",
-    "student": "As a student who cycles everywhere, I think",
-}

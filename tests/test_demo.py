@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import os
 import signal
 import subprocess
@@ -9,7 +10,7 @@ import sys
 import threading
 import time
 
-from kvshelf.demo import AGENTS, run_demo
+from kvshelf.demo import AGENTS, Console, _after_sentences, run_demo
 from tests.support import REPO_ROOT
 from tests.support.tiny import make_tiny_model_dir
 
@@ -26,9 +27,22 @@ def test_demo_second_run_restores_every_agent(tiny_dirs, tmp_path, capsys):
 def test_demo_streams_each_reply_beside_its_cache_figures(tiny_dirs, tmp_path, capsys):
     run_demo(model=str(tiny_dirs["gemma3_text"]), cache_dir=tmp_path, turns=1, max_tokens=6)
     lines = capsys.readouterr().out.splitlines()
-    for name, agent in (("Ada", "planner"), ("Dev", "student")):
-        i = next(i for i, line in enumerate(lines) if line.startswith(f"  {name} ({agent}): "))
+    for speaker in ("Ada (town planner)", "Dev (student)"):
+        i = next(i for i, line in enumerate(lines) if line.startswith(f"  {speaker}: "))
         assert lines[i + 1].strip().startswith("[cold | cached 0/") and " | ttft " in lines[i + 1]
+
+
+def test_a_prefill_note_has_a_line_of_its_own_and_a_speech_ends_after_two_sentences():
+    shown = io.StringIO()
+    console = Console(shown)
+    console.write("round 1\n")
+    console.progress("  (Ada: prefill 128/600 tokens, 21%, 2 s)")
+    console.write("  Ada (town planner): I think")
+    assert shown.getvalue() == "round 1\n  (Ada: prefill 128/600 tokens, 21%, 2 s)\n  Ada (town planner): I think"
+    until = _after_sentences(2)
+    assert until("we back option 2. It costs 1.5 million") == -1  # "2." and "1.5" end no sentence
+    text = "we back option 2. It costs 1.5 million. Then the shed. More"
+    assert text[: until(text)] == "we back option 2. It costs 1.5 million. Then the shed."
 
 
 class Reader:
@@ -68,7 +82,7 @@ def test_ctrl_c_saves_says_what_was_saved_and_exits_130_without_a_traceback(tmp_
     reader = Reader(proc)
     try:
         # the planner's reply is streaming: 20 characters of it are on screen
-        reader.wait_for(lambda t: len(t.partition("Ada (planner): ")[2]) >= 20, proc)
+        reader.wait_for(lambda t: len(t.partition("Ada (town planner): ")[2]) >= 20, proc)
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=60) == 130
     finally:
@@ -89,5 +103,5 @@ def test_ctrl_c_saves_says_what_was_saved_and_exits_130_without_a_traceback(tmp_
         timeout=300,
     )
     assert again.returncode == 0, again.stderr[-3000:]
-    planner = again.stdout.partition("Ada (planner): ")[2].splitlines()[1]
+    planner = again.stdout.partition("Ada (town planner): ")[2].splitlines()[1]
     assert planner.strip().startswith("[warm | cached ") and not planner.strip().startswith("[warm | cached 0/")

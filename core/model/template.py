@@ -35,12 +35,21 @@ class ChatTemplate(Protocol):
     ``add_special_tokens=False``) starts with the model's BOS: only a template that writes
     ``bos_token`` itself gives one, whatever ``add_bos_token`` says. The engine prepends the
     BOS id exactly then (``kvshelf.model.loader``), so prompt ids equal the reference's.
-    """
+
+    ``tools`` (OpenAI function specs) are shown by a template that renders them itself
+    (a model's own Jinja template: see ``native_tool_parser``); kvshelf's own templates
+    ignore them, and the caller describes the tools in the system text instead
+    (``kvshelf.structured.plan``)."""
 
     stop_strings: tuple[str, ...]
     writes_bos: bool
 
-    def render(self, messages: Sequence[Message], add_generation_prompt: bool = True) -> str: ...
+    def render(
+        self,
+        messages: Sequence[Message],
+        add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+    ) -> str: ...
 
 
 def message_text(message: Message) -> str:
@@ -110,7 +119,12 @@ class GemmaTemplate:
     stop_strings: tuple[str, ...] = ("<end_of_turn>",)
     writes_bos = True  # Gemma's own template starts with ``{{ bos_token }}``
 
-    def render(self, messages: Sequence[Message], add_generation_prompt: bool = True) -> str:
+    def render(
+        self,
+        messages: Sequence[Message],
+        add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,  # kvshelf's own format: shown in the system text
+    ) -> str:
         messages, opened = split_open_turn(messages)
         system = [message_text(m) for m in messages if m["role"] in ("system", "developer")]
         prefix = "\n\n".join(system) + "\n\n" if system else ""
@@ -144,7 +158,12 @@ class ChatMLTemplate:
     stop_strings: tuple[str, ...] = ("<|im_end|>",)
     writes_bos = False  # ChatML writes no BOS (a ``bos_token`` such as <|im_start|> would double it)
 
-    def render(self, messages: Sequence[Message], add_generation_prompt: bool = True) -> str:
+    def render(
+        self,
+        messages: Sequence[Message],
+        add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,  # kvshelf's own format: shown in the system text
+    ) -> str:
         messages, opened = split_open_turn(messages)
         out = []
         for m in messages:
@@ -178,7 +197,11 @@ class ToolParser:
         out: list[dict[str, Any]] = []
         rest = text
         while (i := rest.find(self.start)) >= 0:
-            body, sep, rest = rest[i + len(self.start) :].partition(self.end)
+            rest = rest[i + len(self.start) :]
+            if self.end:
+                body, sep, rest = rest.partition(self.end)
+            else:  # the format has no closing tag (Mistral's [TOOL_CALLS]): the rest is the call
+                body, sep, rest = rest, "", ""
             try:
                 parsed = self.parse(body, list(tools) if tools is not None else None)
             except Exception as exc:  # each parser raises its own kind
@@ -187,6 +210,64 @@ class ToolParser:
             if not sep:
                 break
         return out
+
+    def split(self, text: str, tools: Sequence[Mapping[str, Any]] | None = None) -> tuple[str, list[dict[str, Any]]]:
+        """(content, calls) of a whole reply: the text before the first call, and the calls
+        (with ``tools``, only calls of those functions). A reply without a call that parses
+        is all content: a failed call is never lost."""
+        i = text.find(self.start)
+        if i < 0:
+            return text, []
+        try:
+            found = self.calls(text[i:], tools)
+        except ValueError:
+            return text, []
+        names = {str(t.get("function", t).get("name")) for t in tools} if tools is not None else None
+        calls = [
+            c
+            for c in found
+            if isinstance(c, Mapping) and isinstance(c.get("name"), str) and (names is None or c["name"] in names)
+        ]
+        return (text[:i], calls) if calls else (text, [])
+
+    def stream(self, tools: Sequence[Mapping[str, Any]] | None = None) -> CallStream:
+        """A reader of a streamed reply: shows its content as it comes, holds back its calls."""
+        return CallStream(self, tools)
+
+
+class CallStream:
+    """A streamed reply in a model's own tool-call format (``ToolParser``): content is
+    shown as it comes, except what might be the start of a call (held back until it is
+    clearly not); from the first call on, everything is held for ``finish``."""
+
+    def __init__(self, parser: ToolParser, tools: Sequence[Mapping[str, Any]] | None) -> None:
+        self._parser, self._tools = parser, tools
+        self._text, self._shown = "", 0
+        self._calling = False
+
+    def feed(self, chunk: str) -> str:
+        """The content that may be shown now."""
+        self._text += chunk
+        if self._calling:
+            return ""
+        start = self._parser.start
+        i = self._text.find(start, self._shown)
+        if i >= 0:
+            self._calling = True
+            safe = i
+        else:
+            tail = self._text[self._shown :]
+            held = next((k for k in range(min(len(start) - 1, len(tail)), 0, -1) if start.startswith(tail[-k:])), 0)
+            safe = len(self._text) - held
+        out, self._shown = self._text[self._shown : safe], max(self._shown, safe)
+        return out
+
+    def finish(self) -> tuple[str, list[dict[str, Any]]]:
+        """(content not shown yet, the calls). Calls that do not parse come back as content."""
+        content, calls = self._parser.split(self._text, self._tools)
+        if not calls:
+            return self._text[self._shown :], []
+        return content[self._shown :], calls
 
 
 def infer_tool_parser(chat_template: str, vocab: Mapping[str, int], name: str | None = None) -> ToolParser | None:
@@ -208,6 +289,16 @@ def infer_tool_parser(chat_template: str, vocab: Mapping[str, int], name: str | 
         return None
     module = importlib.import_module(f"mlx_lm.tool_parsers.{name}")
     return ToolParser(name, module.tool_call_start, module.tool_call_end, module.parse_tool_call)
+
+
+def native_tool_parser(template: ChatTemplate) -> ToolParser | None:
+    """The parser of the model's own tool-call format, where the model's template shows
+    ``tools`` itself and mlx-lm can read its calls back; None where kvshelf's own format
+    is used instead (Gemma, ChatML, a template without tools or whose format mlx-lm
+    does not know): the tools are then described in the system text."""
+    if isinstance(template, JinjaTemplate) and template.renders_tools:
+        return template.tool_parser
+    return None
 
 
 def _template_message(message: Message) -> dict[str, Any]:

@@ -17,7 +17,8 @@ also where a conversation with the same system prompt and another question diver
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from kvshelf.kv.agent_cache import common_prefix_length
 from kvshelf.model.loader import LoadedModel
@@ -39,14 +40,20 @@ def boundary_counts(messages: Sequence[Message]) -> list[int]:
     return sorted({k for k in (first, len(messages) - 1) if 0 < k <= len(messages)})
 
 
-def message_boundaries(loaded: LoadedModel, messages: Sequence[Message], prompt: list[int]) -> tuple[int, ...]:
-    """Token positions in ``prompt`` (the rendering of ``messages``) where messages end;
-    empty for a model whose every layer can rewind (nothing to checkpoint)."""
+def message_boundaries(
+    loaded: LoadedModel,
+    messages: Sequence[Message],
+    prompt: list[int],
+    tools: Sequence[Mapping[str, Any]] | None = None,
+) -> tuple[int, ...]:
+    """Token positions in ``prompt`` (the rendering of ``messages``, with ``tools`` for a
+    template that shows them) where messages end; empty for a model whose every layer
+    can rewind (nothing to checkpoint)."""
     if all(layer.window is None for layer in loaded.spec.layers):
         return ()
 
     def encode(head: Sequence[Message]) -> list[int]:
-        return loaded.tokenizer.encode_prompt(loaded.template.render(head, add_generation_prompt=False))
+        return loaded.tokenizer.encode_prompt(loaded.template.render(head, add_generation_prompt=False, tools=tools))
 
     out = set()
     for k in boundary_counts(messages):

@@ -27,7 +27,7 @@ from kvshelf.errors import ContextLengthExceeded, KVShelfError
 from kvshelf.kv.schemes import DEFAULT_SCHEME, KVScheme
 from kvshelf.kv.schemes import scheme as kv_scheme_named
 from kvshelf.model.loader import LoadedModel, load
-from kvshelf.model.template import Message, validate_messages
+from kvshelf.model.template import Message, ToolParser, native_tool_parser, validate_messages
 from kvshelf.paths import default_cache_dir
 from kvshelf.runtime.boundaries import message_boundaries
 from kvshelf.runtime.events import Event, Failed, Finished, Prefilled, Text
@@ -200,9 +200,16 @@ class Engine:
         p = _merged(params, max_tokens, temperature, top_p, stop, seed)
         if tools is None and response_format is None:
             return _last(self.stream(agent_id, messages, p, until=until, grammar=grammar))
-        plan = plan_output(tools, tool_choice, parallel_tool_calls, response_format)
+        plan = plan_output(tools, tool_choice, parallel_tool_calls, response_format, native=self.native_tools)
         result = _last(
-            self.stream(agent_id, plan.messages(messages), p, until=until or plan.until(), grammar=plan.grammar)
+            self.stream(
+                agent_id,
+                plan.messages(messages),
+                p,
+                until=until or plan.until(),
+                grammar=plan.grammar,
+                tools=plan.template_tools,
+            )
         )
         return _shaped(result, *plan.parse(result.text))
 
@@ -220,6 +227,7 @@ class Engine:
         until: Callable[[str], int] | None = None,
         progress: Callable[[int, int], None] | None = None,
         grammar: Grammar | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> Generator[str | ChatResult, None, None]:
         """Yield text chunks as they are generated, then the final ``ChatResult``.
 
@@ -229,11 +237,13 @@ class Engine:
         each prefill chunk but the last (prompt tokens in the cache so far, of the
         prompt's), from the engine's thread, so a long cold prefill can be shown.
         ``grammar`` constrains the reply (the messages already hold what its plan renders:
-        see ``kvshelf.structured.plan``).
+        see ``kvshelf.structured.plan``). ``tools`` are handed to the model's own chat
+        template, for one that shows them (``OutputPlan.template_tools``); the reply is
+        not parsed here (``chat`` does that).
         """
         p = _merged(params, max_tokens, temperature, top_p, stop, seed)
         inbox: queue.SimpleQueue[Event] = queue.SimpleQueue()
-        request = self._request(_agent(agent_id), messages, inbox.put, p, until=until, grammar=grammar)
+        request = self._request(_agent(agent_id), messages, inbox.put, p, until=until, grammar=grammar, tools=tools)
         request.progress = progress
         self._scheduler.submit(request)
         return self._drain(inbox, request)
@@ -270,10 +280,12 @@ class Engine:
         """``chat`` for asyncio: the event loop is never blocked."""
         p = _merged(params, max_tokens, temperature, top_p, stop, seed)
         plan = None
+        template_tools = None
         if tools is not None or response_format is not None:
-            plan = plan_output(tools, tool_choice, parallel_tool_calls, response_format)
+            plan = plan_output(tools, tool_choice, parallel_tool_calls, response_format, native=self.native_tools)
             messages, grammar, until = plan.messages(messages), plan.grammar, until or plan.until()
-        async for item in self.astream(agent_id, messages, p, until=until, grammar=grammar):
+            template_tools = plan.template_tools
+        async for item in self.astream(agent_id, messages, p, until=until, grammar=grammar, tools=template_tools):
             if isinstance(item, ChatResult):
                 return item if plan is None else _shaped(item, *plan.parse(item.text))
         raise RuntimeError("generation ended without a result")  # pragma: no cover
@@ -291,6 +303,7 @@ class Engine:
         seed: int | None = None,
         until: Callable[[str], int] | None = None,
         grammar: Grammar | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> AsyncGenerator[str | ChatResult, None]:
         """``stream`` for asyncio: text chunks, then the final ``ChatResult``."""
         p = _merged(params, max_tokens, temperature, top_p, stop, seed)
@@ -300,7 +313,7 @@ class Engine:
         def emit(event: Event) -> None:
             loop.call_soon_threadsafe(inbox.put_nowait, event)
 
-        request = self._request(_agent(agent_id), messages, emit, p, until=until, grammar=grammar)
+        request = self._request(_agent(agent_id), messages, emit, p, until=until, grammar=grammar, tools=tools)
         self._scheduler.submit(request)
         try:
             while True:
@@ -343,7 +356,14 @@ class Engine:
         """
         return self.prefill_ahead(agent_id, messages, background=False).result()
 
-    def prefill_ahead(self, agent_id: str, messages: Sequence[Message], *, background: bool = True) -> Future[Appended]:
+    def prefill_ahead(
+        self,
+        agent_id: str,
+        messages: Sequence[Message],
+        *,
+        background: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+    ) -> Future[Appended]:
         """Like ``append``, but queued at the lowest priority; returns a Future of ``Usage``.
 
         Background prefill runs one chunk at a time, only while no request waits for its
@@ -352,6 +372,8 @@ class Engine:
         stops after its chunk, keeps what it computed, and its Future resolves with the
         tokens done so far. Meant for group chats: when a message is added to the shared
         history, queue it for the agents who will speak later.
+        ``tools``: for a model's own template that shows them, as in ``stream`` (the
+        agent's next chat renders them alike).
         """
         done: Future[Appended] = Future()
 
@@ -364,7 +386,7 @@ class Engine:
                 saved = event.saved if isinstance(event, Prefilled) else None
                 done.set_result(Appended(len(request.prompt), request.cached, 0, saved=saved))
 
-        request = self._request(validate_agent_id(agent_id), messages, emit, None)
+        request = self._request(validate_agent_id(agent_id), messages, emit, None, tools=tools)
         request.background = background
         self._scheduler.submit(request)
         return done
@@ -378,15 +400,16 @@ class Engine:
         *,
         until: Callable[[str], int] | None = None,
         grammar: Grammar | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> Request:
         """Build a request (``params`` None: prefill only) from input checked here, in the
         caller's thread, so bad input fails fast and alone (a grammar's matcher too)."""
         self._check_open()
         messages = validate_messages(messages)
-        prompt = self._encode(messages)
+        prompt = self._encode(messages, tools)
         # every request is cut at its boundaries, named or not, so that its numbers do not
         # depend on whether it is kept (each call's chunking shapes the last bits)
-        boundaries = message_boundaries(self.loaded, messages, prompt)
+        boundaries = message_boundaries(self.loaded, messages, prompt, tools)
         if params is None:
             return Request(aid, prompt, 1, None, [], emit, boundaries=boundaries)
         vocab = getattr(getattr(self.loaded.model, "args", None), "vocab_size", None)
@@ -416,8 +439,13 @@ class Engine:
             constraint=constraint,
         )
 
-    def _encode(self, messages: Sequence[Message]) -> list[int]:
-        prompt = self.loaded.tokenizer.encode_prompt(self.loaded.template.render(messages))
+    @property
+    def native_tools(self) -> ToolParser | None:
+        """The model's own tool-call format, where its template shows tools (else kvshelf's)."""
+        return native_tool_parser(self.loaded.template)
+
+    def _encode(self, messages: Sequence[Message], tools: Sequence[Mapping[str, Any]] | None = None) -> list[int]:
+        prompt = self.loaded.tokenizer.encode_prompt(self.loaded.template.render(messages, tools=tools))
         if len(prompt) >= self.loaded.context_length:
             raise ContextLengthExceeded(
                 f"the prompt is {len(prompt)} tokens; this model's context is {self.loaded.context_length}"

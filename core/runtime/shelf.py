@@ -59,6 +59,8 @@ RETRY_MAX_S = 60.0
 # time: it sleeps after its work for the rest. A listing is an operator's view, generation
 # the product: on two cores a listing at full speed (its Python work holds the GIL) would
 # slow every decoding agent by half, while paced it runs in the gaps. Idle, it runs flat out.
+# At a tenth, chats overlapping a full listing of 100,000 agents took no longer than the
+# others (benchmarks/store_scale.py: 0.90x; a twentieth measured the same, 0.92x).
 LISTING_SHARE_WHILE_BUSY = 0.1
 
 
@@ -106,6 +108,8 @@ class Shelf:
         self.unsaved: set[AgentId] = set()
         """Resident agents whose last save failed: their record on disk is behind."""
         self._lent: set[AgentId] = set()
+        self.listing_share = LISTING_SHARE_WHILE_BUSY
+        """The share of the time a listing may take while agents generate (0 < share <= 1)."""
         self._saves: dict[AgentId, Future] = {}
         """Saves not finished yet, by agent (its latest one)."""
         self._finished: queue.SimpleQueue[tuple[AgentId, Future]] = queue.SimpleQueue()
@@ -447,7 +451,7 @@ class Shelf:
         Merges the store's page of records with the resident agents (some are not on
         disk yet): every record past the store's page sorts after all of it, and so does
         every resident agent past its last id, so neither can be in this page. While
-        requests are in flight it is paced (``LISTING_SHARE_WHILE_BUSY``)."""
+        requests are in flight it is paced (``listing_share``)."""
         started = time.perf_counter()
         records, more = self.store.page(after, limit)
         residents = {a: r for a, r in self.pool.residents().items() if after is None or a > after}
@@ -458,7 +462,7 @@ class Shelf:
         ids = sorted(by_id.keys() | residents.keys())
         data = [_agent_info(_resident(a), residents.get(a), by_id.get(a)) for a in ids[:limit]]
         if self._lent:  # agents are generating: let them have the machine
-            time.sleep((time.perf_counter() - started) * (1 / LISTING_SHARE_WHILE_BUSY - 1))
+            time.sleep((time.perf_counter() - started) * (1 / self.listing_share - 1))
         return AgentPage(data, more or len(ids) > limit)
 
     def shared_prefixes(self) -> dict[str, list[str]]:

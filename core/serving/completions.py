@@ -18,6 +18,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from kvshelf.errors import InvalidAgentId
+from kvshelf.model.template import ToolParser
 from kvshelf.runtime.engine import ChatResult, Engine
 from kvshelf.runtime.params import GenerationParams
 from kvshelf.serving.errors_http import bad_request, error_body, error_response
@@ -31,7 +32,7 @@ from kvshelf.serving.openai_api import (
 )
 from kvshelf.storage.agent_id import AgentId
 from kvshelf.structured import json_mode, tools
-from kvshelf.structured.plan import plan_output
+from kvshelf.structured.plan import call_fields, plan_output
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +52,7 @@ class Turn:
     parallel_tool_calls: bool
     options: dict[str, Any]  # Engine.stream keyword arguments
     constrained: bool = False  # a grammar shapes the reply: a call cut by max_tokens is dropped, not repaired
+    native: ToolParser | None = None  # calls in the model's own format (its template shows the tools)
 
 
 def _agent_id(req: ChatCompletionRequest, header: str | None) -> AgentId | None:
@@ -74,11 +76,18 @@ def _agent_id(req: ChatCompletionRequest, header: str | None) -> AgentId | None:
         ) from None
 
 
-def prepare(req: ChatCompletionRequest, header_agent: str | None, defaults: GenerationParams | None = None) -> Turn:
+def prepare(
+    req: ChatCompletionRequest,
+    header_agent: str | None,
+    defaults: GenerationParams | None = None,
+    native: ToolParser | None = None,
+) -> Turn:
     """Resolve identity, render tools and JSON mode into the messages, pick engine options.
 
     A sampling field the request leaves out takes its value from ``defaults``
-    (``GenerationParams()`` unless given), the same for the server and the adapters."""
+    (``GenerationParams()`` unless given), the same for the server and the adapters.
+    ``native``: the model's own tool-call format (``Engine.native_tools``), whose
+    template then shows the tools (see ``kvshelf.structured.plan``)."""
     defaults = defaults or GenerationParams()
     agent_id = _agent_id(req, header_agent)
     choice = req.tool_choice.model_dump() if isinstance(req.tool_choice, NamedToolChoice) else req.tool_choice
@@ -87,6 +96,7 @@ def prepare(req: ChatCompletionRequest, header_agent: str | None, defaults: Gene
         choice,
         req.parallel_tool_calls,
         req.response_format.model_dump(exclude_none=True) if req.response_format else None,
+        native=native,
     )
     messages = plan.messages([m.model_dump(exclude_none=True) for m in req.messages])
     options: dict[str, Any] = {
@@ -107,6 +117,8 @@ def prepare(req: ChatCompletionRequest, header_agent: str | None, defaults: Gene
         options["until"] = until
     if plan.grammar is not None:
         options["grammar"] = plan.grammar
+    if plan.template_tools is not None:
+        options["tools"] = plan.template_tools
     return Turn(
         agent_id,
         messages,
@@ -116,6 +128,7 @@ def prepare(req: ChatCompletionRequest, header_agent: str | None, defaults: Gene
         req.parallel_tool_calls,
         options,
         constrained=plan.grammar is not None,
+        native=plan.native,
     )
 
 
@@ -124,10 +137,13 @@ class ReplyShaper:
 
     def __init__(self, turn: Turn) -> None:
         self.turn = turn
+        self.native = turn.native.stream(turn.options.get("tools")) if turn.native and turn.tool_names else None
         self.calls_parser = (
-            tools.ToolCallStream(turn.tool_names, repair=not turn.constrained) if turn.tool_names else None
+            tools.ToolCallStream(turn.tool_names, repair=not turn.constrained)
+            if turn.tool_names and self.native is None
+            else None
         )
-        self.cutter = json_mode.JsonObjectCutter() if turn.json_mode and not self.calls_parser else None
+        self.cutter = json_mode.JsonObjectCutter() if turn.json_mode and not turn.tool_names else None
         self.content = ""
 
     def feed(self, chunk: str) -> str:
@@ -136,12 +152,17 @@ class ReplyShaper:
             chunk = self.cutter.feed(chunk)
         if self.calls_parser:
             chunk = self.calls_parser.feed(chunk)
+        elif self.native:
+            chunk = self.native.feed(chunk)
         self.content += chunk
         return chunk
 
     def finish(self, result: ChatResult) -> tuple[str, list[tools.ToolCall], str]:
         """(content not shown yet, tool calls, finish_reason)."""
         tail, calls = self.calls_parser.finish() if self.calls_parser else ("", [])
+        if self.native:
+            tail, found = self.native.finish()
+            calls = [tools.ToolCall(*call_fields(c), tools.new_call_id()) for c in found]
         if not self.turn.parallel_tool_calls:
             calls = calls[:1]
         self.content += tail

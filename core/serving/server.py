@@ -248,7 +248,7 @@ def create_app(
     @router.post("/v1/chat/completions", response_model=None)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         check_max_tokens(body, engine.loaded.context_length)
-        turn = prepare(body, request.headers.get(AGENT_HEADER), defaults)
+        turn = prepare(body, request.headers.get(AGENT_HEADER), defaults, engine.native_tools)
         stream = engine.astream(turn.agent_id, turn.messages, **turn.options)
         assert isinstance(stream, AsyncGenerator)  # astream is an async generator: it can be closed
 
@@ -279,8 +279,9 @@ def create_app(
     def tokenize(body: ChatCompletionRequest) -> dict:
         """How many prompt tokens a chat request is, as rendered for the model (tools and
         JSON mode included): what clients need for count_tokens / remaining_tokens."""
-        turn = prepare(body, None, defaults)
-        ids = engine.loaded.tokenizer.encode_prompt(engine.loaded.template.render(turn.messages))
+        turn = prepare(body, None, defaults, engine.native_tools)
+        text = engine.loaded.template.render(turn.messages, tools=turn.options.get("tools"))
+        ids = engine.loaded.tokenizer.encode_prompt(text)
         return {"object": "tokenize", "prompt_tokens": len(ids), "context_length": engine.loaded.context_length}
 
     @router.get("/v1/agents")
@@ -345,8 +346,8 @@ def create_app(
         With ``background: true`` it is queued at the lowest priority (prefill ahead) and
         answered at once with 202."""
         aid = path_agent_id(agent_id)
-        turn = prepare(body, None, defaults)
-        future = engine.prefill_ahead(aid, turn.messages, background=body.background)
+        turn = prepare(body, None, defaults, engine.native_tools)  # rendered as the agent's next chat will be
+        future = engine.prefill_ahead(aid, turn.messages, background=body.background, tools=turn.options.get("tools"))
         if body.background:
             return JSONResponse({"object": "agent.append", "agent_id": aid, "queued": True}, 202)
         usage = await asyncio.wrap_future(future)

@@ -12,6 +12,12 @@ and for the server and adapters (``kvshelf.serving.completions.prepare``) alike:
   reply where the object closes (``until``) and parses what came (used to compare);
 - how the reply's text is split into content and calls (``parse``).
 
+A model whose own chat template shows ``tools`` and whose call format mlx-lm can read
+(``kvshelf.model.template.native_tool_parser``, passed as ``native``) is shown its tools
+by its template, in the format it was trained on, and its calls are read back by
+mlx-lm's parser for that format, under "auto". A forced call ("required", a named
+function) still uses kvshelf's format, where the grammar can guarantee it.
+
 ``tool_choice`` "none" renders no tools and constrains nothing (a ``response_format``
 still applies); "auto" lets the model answer in text or open a call, and a call once
 opened is constrained; "required" and a named function force one call, or several where
@@ -26,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvshelf.errors import ApiError
+from kvshelf.model.template import ToolParser
 from kvshelf.structured import json_mode
 from kvshelf.structured import tools as calling
 from kvshelf.structured.grammar import Grammar, json_grammar, tool_call_grammar
@@ -40,6 +47,12 @@ class OutputPlan:
     grammar: Grammar | None = None
     opening: str = ""
     system_text: str = ""
+    native: ToolParser | None = None  # the model's own format shows the tools and reads the calls
+
+    @property
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        """The tools for the model's own template to show (None: kvshelf's format, in the system text)."""
+        return self.tools if self.native is not None and self.tools else None
 
     @property
     def tool_names(self) -> list[str]:
@@ -75,8 +88,23 @@ class OutputPlan:
         whole = self.opening + text
         if not self.tools:
             return whole, []
+        if self.native is not None:
+            content, found = self.native.split(whole, self.tools)
+            calls = [calling.ToolCall(*call_fields(c), calling.new_call_id()) for c in found]
+            return content, calls if self.parallel_tool_calls else calls[:1]
         content, calls = calling.parse_tool_calls(whole, self.tool_names, repair=self.grammar is None)
         return content, calls if self.parallel_tool_calls else calls[:1]
+
+
+def call_fields(call: Mapping[str, Any]) -> tuple[str, str]:
+    """(name, arguments as a JSON object string) of a call an mlx-lm parser read."""
+    args = call.get("arguments", {})
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except json.JSONDecodeError:
+            args = {}
+    return str(call["name"]), json.dumps(args if isinstance(args, dict) else {}, ensure_ascii=False)
 
 
 def _name(tool: Mapping[str, Any]) -> str:
@@ -90,9 +118,11 @@ def plan_output(
     response_format: Mapping[str, Any] | None = None,
     *,
     constrained: bool = True,
+    native: ToolParser | None = None,
 ) -> OutputPlan:
     """The plan for these OpenAI fields; bad ones raise a 400 (``ApiError``,
-    ``InvalidSchema``) naming the field, before anything runs."""
+    ``InvalidSchema``) naming the field, before anything runs. ``native``: the model's
+    own tool-call format, used for "auto" (see the module's docstring)."""
     offered = [dict(t) for t in tools_offered or []]
     names = [_name(t) for t in offered]
     choice: str | dict[str, Any] = (
@@ -117,16 +147,19 @@ def plan_output(
                 param="tool_choice",
             )
     use_tools = bool(offered) and choice != "none"
+    native = native if use_tools and choice == "auto" else None
     fmt = dict(response_format) if response_format is not None else None
     want_json = json_mode.wants_json(fmt)
     schema = _schema_of(fmt) if want_json else None
     extra = []
-    if use_tools:
+    if use_tools and native is None:
         extra.append(calling.tools_text(offered))
     if want_json:
         extra.append(json_mode.instruction(fmt or {}))
     grammar: Grammar | None = None
-    if use_tools:
+    if native is not None:
+        opening = ""  # the model writes its own calls, read by its own parser
+    elif use_tools:
         opening = calling.opening(choice)
         if constrained:
             grammar = tool_call_grammar(offered, choice, parallel=parallel_tool_calls, opening=opening)
@@ -144,6 +177,7 @@ def plan_output(
         grammar=grammar,
         opening=opening,
         system_text="\n\n".join(extra),
+        native=native,
     )
 
 
