@@ -75,6 +75,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="require 'Authorization: Bearer KEY' on every endpoint but /health "
         "(default: $KVSHELF_API_KEY, which keeps the key out of the process list)",
     )
+    serve.add_argument(
+        "--drain-seconds",
+        type=float,
+        default=3.0,
+        help="on SIGTERM, answer /health with 503 and refuse new agents this long before stopping, "
+        "so a load balancer moves them first (0: stop at once)",
+    )
     _log_level(serve, "info")
 
     bench = sub.add_parser(
@@ -128,6 +135,7 @@ def main(argv: list[str] | None = None) -> int:
                 port=args.port,
                 api_key=args.api_key,
                 log_level=level,
+                drain_s=args.drain_seconds,
             )
         except (DirectoryInUse, StoreUnusable) as exc:  # refused before the model was loaded
             print(f"kvshelf serve: {exc}", file=sys.stderr)
