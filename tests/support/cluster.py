@@ -181,9 +181,7 @@ def start_nodes(
     model: Path, stores: list[Path], log_dir: Path, extra: list[tuple[str, ...]] | None = None
 ) -> list[Node]:
     """Start one node per store path (the same path for a shared store), all at once."""
-    nodes = [
-        Node(f"node{i + 1}", model, store, log_dir, extra[i] if extra else ()) for i, store in enumerate(stores)
-    ]
+    nodes = [Node(f"node{i + 1}", model, store, log_dir, extra[i] if extra else ()) for i, store in enumerate(stores)]
     for node in nodes:
         node.start()
     for node in nodes:
