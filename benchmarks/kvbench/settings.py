@@ -12,7 +12,7 @@ import os
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
-SECTIONS = ("ttft", "capacity", "quality", "decode", "phases", "routing", "peer", "store", "structured")
+SECTIONS = ("ttft", "capacity", "quality", "decode", "phases", "routing", "peer", "store", "structured", "cluster")
 
 
 @dataclass(frozen=True)

@@ -35,8 +35,9 @@ PER_TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.
 STORE_COUNTERS = {
     "round_trips": "Requests this node made to the record store",
     "failures": "Store requests that failed",
-    "takeovers": "Agents whose ownership this node took over from another node",
-    "refused_stale_writes": "Writes the store refused because a newer record was there (this node's copy was stale)",
+    "takeovers": "Agents this node loaded from a record another node wrote (ownership moved here)",
+    "stale_reloads": "RAM copies found older than the store's record before reuse (the newer record was loaded)",
+    "refused_writes": "Writes the store refused because a newer record was there (a stale writer was fenced off)",
 }
 _ROUTES = (
     (re.compile(r"^/v1/agents/[^/]+/(fork|append)$"), r"/v1/agents/{id}/\1"),

@@ -462,13 +462,9 @@ def create_app(
 
 
 def _store_counters(engine: Engine) -> dict[str, int] | None:
-    """The store's counters for ``/metrics``, where the engine's store keeps them."""
+    """The store's counters for ``/metrics`` (``kvshelf.storage.counters``), where the store keeps them."""
     counters = getattr(engine, "store_counters", None)
-    return (
-        None
-        if counters is None
-        else {k: int(getattr(counters, k, 0)) for k in ("round_trips", "failures", "takeovers", "refused_stale_writes")}
-    )
+    return None if counters is None else dict(counters.snapshot())
 
 
 def path_agent_id(agent_id: str) -> AgentId:

@@ -48,11 +48,25 @@ def _binary(name: str) -> str:
 class Node:
     """One ``kvshelf serve`` process on a loopback port (its output goes to a log file)."""
 
-    def __init__(self, name: str, model: Path, store: Path, log_dir: Path, extra: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self,
+        name: str,
+        model: Path | str,
+        store: Path,
+        log_dir: Path,
+        extra: tuple[str, ...] = (),
+        *,
+        prefix: tuple[str, ...] = (),
+        env: dict[str, str] | None = None,
+    ) -> None:
+        """``extra``: more ``kvshelf serve`` options; ``prefix``: a command to run it under
+        (``taskset -c 0`` pins it to a core); ``env``: variables added to this environment."""
         self.name, self.port = name, free_port()
+        self.env = {**os.environ, **env} if env else None
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_dir / f"{name}.log"
         self._args = [
+            *prefix,
             sys.executable,
             *("-m", "kvshelf.cli", "serve", "--model", str(model), "--cache-dir", str(store)),
             *("--port", str(self.port), "--log-level", "info", *extra),
@@ -61,7 +75,9 @@ class Node:
 
     def start(self) -> Node:
         log = self.log_path.open("a")
-        self.proc = subprocess.Popen(self._args, stdout=log, stderr=subprocess.STDOUT, text=True, cwd=REPO_ROOT)
+        self.proc = subprocess.Popen(
+            self._args, stdout=log, stderr=subprocess.STDOUT, text=True, cwd=REPO_ROOT, env=self.env
+        )
         log.close()
         return self
 
@@ -99,11 +115,19 @@ def _ported(text: str, client_port: int, node_ports: list[int]) -> str:
 class HAProxy:
     """``deploy/haproxy.cfg`` run in the foreground, in front of ``nodes``."""
 
-    def __init__(self, nodes: list[Node], run_dir: Path) -> None:
+    def __init__(self, nodes: list[Node], run_dir: Path, *, round_robin: bool = False) -> None:
+        """``nodes``: one to three (the shipped file's server lines are kept for as many);
+        ``round_robin``: spread requests in turn instead of by agent (to compare against)."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.stats = run_dir / "haproxy.sock"
-        text = _ported((DEPLOY / "haproxy.cfg").read_text(), self.port, [n.port for n in nodes])
+        text = (DEPLOY / "haproxy.cfg").read_text()
+        for unused in range(len(nodes) + 1, len(NODE_PORTS) + 1):
+            text = "".join(line for line in text.splitlines(keepends=True) if f"server node{unused} " not in line)
+        ports = [n.port for n in nodes] + [0] * (len(NODE_PORTS) - len(nodes))
+        text = _ported(text, self.port, ports)
+        if round_robin:
+            text = text.replace("balance hash var(txn.agent)", "balance roundrobin")
         text = text.replace("global\n", f"global\n    stats socket {self.stats} mode 600 level admin\n", 1)
         self.config = run_dir / "haproxy.cfg"
         self.config.write_text(text)
@@ -187,8 +211,3 @@ def start_nodes(
     for node in nodes:
         node.wait_up()
     return nodes
-
-
-def env_without_proxies() -> dict[str, str]:
-    """This environment minus any HTTP proxy, so loopback requests go straight to the balancer."""
-    return {k: v for k, v in os.environ.items() if k.lower() not in ("http_proxy", "https_proxy", "all_proxy")}
