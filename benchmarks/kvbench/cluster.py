@@ -191,7 +191,7 @@ def scaling(model: str, work: Path, size: Size, shared: bool) -> list[dict[str, 
             rows.append(
                 {
                     "part": "scaling",
-                    "config": f"{count} node{'s' * (count > 1)}, 1 core each" + (" (HAProxy)" if count > 1 else ""),
+                    "config": "1 node, 1 core" if count == 1 else f"{count} nodes, 1 core each (HAProxy)",
                     "tokens": tokens,
                     "wall_s": round(wall, 2),
                     "tokens_per_s": round(tokens / wall, 2),
