@@ -139,12 +139,12 @@ class Cluster:
         store = work / "store"
         self.nodes = []
         for i in range(count):
-            extra: tuple[str, ...] = ("--drain-seconds", "0")
             own = store if shared else work / f"store{i}"
-            if shared:
-                extra += ("--shared", "--node-id", f"node{i + 1}")
             prefix = ("taskset", "-c", str(i % (os.cpu_count() or 1))) if pinned else ()
-            self.nodes.append(support.Node(f"node{i + 1}", model, own, work, extra, prefix=prefix))
+            node = support.Node(
+                f"node{i + 1}", model, own, work, ("--drain-seconds", "0"), prefix=prefix, shared=shared
+            )
+            self.nodes.append(node)
         for node in self.nodes:
             node.start()
         for node in self.nodes:

@@ -58,9 +58,12 @@ class Node:
         *,
         prefix: tuple[str, ...] = (),
         env: dict[str, str] | None = None,
+        shared: bool = False,
     ) -> None:
-        """``extra``: more ``kvshelf serve`` options; ``prefix``: a command to run it under
-        (``taskset -c 0`` pins it to a core); ``env``: variables added to this environment."""
+        """``store``: its own store directory, or with ``shared`` the store it shares with
+        other nodes (``--store DIR --shared --node-id NAME``); ``extra``: more ``kvshelf
+        serve`` options; ``prefix``: a command to run it under (``taskset -c 0`` pins it to
+        a core); ``env``: variables added to this environment."""
         self.name, self.port = name, free_port()
         self.env = {**os.environ, **env} if env else None
         self.url = f"http://127.0.0.1:{self.port}"
@@ -68,7 +71,8 @@ class Node:
         self._args = [
             *prefix,
             sys.executable,
-            *("-m", "kvshelf.cli", "serve", "--model", str(model), "--cache-dir", str(store)),
+            *("-m", "kvshelf.cli", "serve", "--model", str(model)),
+            *(("--store", str(store), "--shared", "--node-id", name) if shared else ("--cache-dir", str(store))),
             *("--port", str(self.port), "--log-level", "info", *extra),
         ]
         self.proc: subprocess.Popen | None = None
@@ -201,11 +205,9 @@ class Nginx:
                 self.proc.wait(10)
 
 
-def start_nodes(
-    model: Path, stores: list[Path], log_dir: Path, extra: list[tuple[str, ...]] | None = None
-) -> list[Node]:
-    """Start one node per store path (the same path for a shared store), all at once."""
-    nodes = [Node(f"node{i + 1}", model, store, log_dir, extra[i] if extra else ()) for i, store in enumerate(stores)]
+def start_nodes(model: Path, stores: list[Path], log_dir: Path, *, shared: bool = False) -> list[Node]:
+    """Start one node per store path (with ``shared``, the same path for all), all at once."""
+    nodes = [Node(f"node{i + 1}", model, store, log_dir, shared=shared) for i, store in enumerate(stores)]
     for node in nodes:
         node.start()
     for node in nodes:
