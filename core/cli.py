@@ -82,6 +82,25 @@ def build_parser() -> argparse.ArgumentParser:
         help="on SIGTERM, answer /health with 503 and refuse new agents this long before stopping, "
         "so a load balancer moves them first (0: stop at once)",
     )
+    serve.add_argument(
+        "--store",
+        default=None,
+        metavar="URL",
+        help="where agent records live: a directory, file:///dir or s3://bucket/prefix "
+        "(credentials and endpoint from AWS_*; instead of --cache-dir)",
+    )
+    serve.add_argument(
+        "--shared",
+        action="store_true",
+        help="other kvshelf serve nodes use the same store at once: each agent has one writer at a time, "
+        "enforced by the store (without it, a second server on a store is refused)",
+    )
+    serve.add_argument(
+        "--node-id",
+        default=None,
+        metavar="NAME",
+        help="this node's name in the records it writes and in X-KVShelf-Node (default with --shared: the host name)",
+    )
     _log_level(serve, "info")
 
     bench = sub.add_parser(
@@ -125,7 +144,18 @@ def main(argv: list[str] | None = None) -> int:
             print(f"kvshelf serve needs the server extra: pip install 'kvshelf[server]' ({exc})", file=sys.stderr)
             return 2
         from kvshelf.storage.exclusive import DirectoryInUse, StoreUnusable
+        from kvshelf.storage.location import parse_store, validate_node_id
 
+        try:
+            if args.store is not None and args.cache_dir is not None:
+                raise ValueError("give --store or --cache-dir, not both")
+            if args.store is not None:
+                parse_store(args.store)
+            if args.node_id is not None:
+                validate_node_id(args.node_id)
+        except ValueError as exc:
+            print(f"kvshelf serve: {exc}", file=sys.stderr)
+            return 2
         try:  # serve prints the BLAS line once the store is claimed: a refused start is one line
             return run_server(
                 args.model,
@@ -136,6 +166,9 @@ def main(argv: list[str] | None = None) -> int:
                 api_key=args.api_key,
                 log_level=level,
                 drain_s=args.drain_seconds,
+                store=args.store,
+                shared=args.shared,
+                node_id=args.node_id,
             )
         except (DirectoryInUse, StoreUnusable) as exc:  # refused before the model was loaded
             print(f"kvshelf serve: {exc}", file=sys.stderr)

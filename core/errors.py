@@ -62,6 +62,23 @@ class StorageError(KVShelfError, OSError):
     """
 
 
+class StaleWrite(StorageError):
+    """A save refused because the agent's record in a shared store changed since this
+    node last read or wrote it: another node took the agent over, or it was deleted.
+
+    Raised by the store's conditional write (``kvshelf.storage.records``: the ETag on S3,
+    the record's identity under the agent's lock on a filesystem), so an old writer never
+    puts an older state over a newer one nor brings back a deleted agent. The engine
+    drops its RAM copy of the agent and logs why; the turn is answered ``saved: false``.
+    ``errno`` is ``ESTALE``. Answered 409 where it reaches a client (a fork of a stale agent).
+    """
+
+    status = 409
+    code = "stale_write"
+    error_type = "invalid_request_error"
+    hint = "; the agent moved to another node or was deleted: send the request again."
+
+
 class RecordRejected(KVShelfError):
     """Why a stored record was judged unusable (and moved to quarantine).
 

@@ -75,46 +75,32 @@ def client_of(url: str):
 
 
 # -- routing -----------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def own_store_nodes(model, tmp_path_factory) -> Iterator[list[Node]]:
-    """Three nodes, each on its own store (what routing alone needs)."""
-    root = tmp_path_factory.mktemp("routing")
-    nodes = start_nodes(model, [root / f"store{i}" for i in range(3)], root)
-    yield nodes
-    for node in nodes:
-        node.stop()
-
-
 @needs_haproxy
-def test_haproxy_keeps_every_agent_on_one_node(own_store_nodes, tmp_path):
-    balancer = HAProxy(own_store_nodes, tmp_path)
-    try:
-        balancer.wait_for({name: "UP" for name in balancer.names})
-        client = client_of(balancer.url)
-        ids = ("header", "prompt_cache_key", "user")
-        talks = [Conversation(client, f"agent-{i:02d}", by=ids[i % 3]) for i in range(12)]
-        for _ in range(3):
-            for talk in talks:
-                talk.turn()
+def test_haproxy_routes_by_header_prompt_cache_key_or_user_and_by_path(shared):
+    balancer = shared.balancer
+    client = client_of(balancer.url)
+    ids = ("header", "prompt_cache_key", "user")
+    talks = [Conversation(client, f"agent-{i:02d}", by=ids[i % 3]) for i in range(6)]
+    for _ in range(2):
         for talk in talks:
-            assert len(set(talk.nodes)) == 1, (talk.agent, talk.by, talk.nodes)
-            later = talk.replies[1:]
-            assert all(r.model_extra["kvshelf"]["cache"] == "hot" for r in later), (talk.agent, talk.nodes)
-            assert all(r.usage.prompt_tokens_details.cached_tokens > 0 for r in later)
-        used = {talk.nodes[0] for talk in talks}
-        assert len(used) >= 2, used  # spread over the nodes, not all on one
-        # the agent's own endpoints go to its node too (by the id in the path)
-        agent = talks[0]
-        listing = httpx.get(f"{balancer.url}/v1/agents/{agent.agent}", timeout=30)
-        assert listing.status_code == 200 and listing.headers["x-kvshelf-node"] == agent.nodes[0]
-        assert listing.json()["resident"] is True
-    finally:
-        balancer.stop()
+            talk.turn()
+    for talk in talks:
+        assert len(set(talk.nodes)) == 1, (talk.agent, talk.by, talk.nodes)
+        later = talk.replies[1:]
+        assert all(r.model_extra["kvshelf"]["cache"] == "hot" for r in later), (talk.agent, talk.nodes)
+        assert all(r.usage.prompt_tokens_details.cached_tokens > 0 for r in later)
+    used = {talk.nodes[0] for talk in talks}
+    assert len(used) >= 2, used  # spread over the nodes, not all on one
+    # the agent's own endpoints go to its node too (by the id in the path)
+    agent = talks[0]
+    listing = httpx.get(f"{balancer.url}/v1/agents/{agent.agent}", timeout=30)
+    assert listing.status_code == 200 and listing.headers["x-kvshelf-node"] == agent.nodes[0]
+    assert listing.json()["resident"] is True
 
 
 @needs_nginx
-def test_nginx_keeps_every_agent_on_one_node(own_store_nodes, tmp_path):
-    balancer = Nginx(own_store_nodes, tmp_path)
+def test_nginx_keeps_every_agent_on_one_node(shared, tmp_path):
+    balancer = Nginx(shared.nodes, tmp_path)
     try:
         client = client_of(balancer.url)
         talks = [Conversation(client, f"nginx-{i:02d}") for i in range(6)]
@@ -197,20 +183,10 @@ def recipe_commands() -> list[str]:
     return [line.strip() for line in section.splitlines() if line.startswith(("kvshelf serve", "haproxy "))]
 
 
-def _has_shared_store() -> bool:
-    import subprocess
-    import sys
-
-    out = subprocess.run([sys.executable, "-m", "kvshelf.cli", "serve", "--help"], capture_output=True, text=True)
-    return "--shared" in out.stdout
-
-
 @pytest.fixture(scope="module")
 def cluster(model, tmp_path_factory) -> Iterator[SharedCluster]:
     if missing("haproxy"):
         pytest.skip(missing("haproxy") or "")
-    if not _has_shared_store():  # until the store half of issue 20 is merged into this branch
-        pytest.skip("this checkout's kvshelf serve has no --shared store yet")
     # the nodes run the README's recipe: the same options, with the test's store, ports and model
     assert recipe_commands() == [
         *(f"kvshelf serve --store /mnt/shelf --shared --node-id node{i} --port 800{i}" for i in (1, 2, 3)),

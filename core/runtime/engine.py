@@ -46,6 +46,8 @@ from kvshelf.runtime.sampling import Sampler
 from kvshelf.runtime.scheduler import Request, Scheduler
 from kvshelf.runtime.shelf import Shelf
 from kvshelf.storage.agent_id import AgentId, validate_agent_id
+from kvshelf.storage.counters import StoreCounters
+from kvshelf.storage.location import open_store, parse_store
 from kvshelf.structured.constraint import TokenConstraint, Vocabulary
 from kvshelf.structured.grammar import Grammar
 from kvshelf.structured.plan import plan_output
@@ -77,13 +79,28 @@ class Engine:
         kv_scheme: str = DEFAULT_SCHEME,
         progress: bool = True,
         durable: bool = False,
+        store: str | Path | None = None,
+        shared: bool = False,
+        node_id: str | None = None,
     ) -> None:
         """``durable=True``: a turn's result is handed over only once its save has ended,
         and says whether it reached the disk (``ChatResult.saved``), so a returned turn
         survives a crash. The default writes saves behind, after the result is returned:
-        faster to answer, but a crash in between loses that turn's cache."""
+        faster to answer, but a crash in between loses that turn's cache.
+
+        ``store``: where the records live, as a URL (``kvshelf.storage.location``: a path,
+        ``file:///path`` or ``s3://bucket/prefix``); the same as ``cache_dir`` for a path,
+        so give one or the other. ``shared=True``: other nodes serve from the same store at
+        once; every save is then conditional on the record this node last read or wrote
+        (a refused one is answered ``saved: false`` and the agent's RAM copy dropped), and
+        a RAM copy is reused only while the store still holds the record it came from.
+        ``node_id`` names this node in the records it writes (default: the host name)."""
+        if store is not None and cache_dir is not None:
+            raise ValueError("give the store as cache_dir (a directory) or store (a URL), not both")
+        location = parse_store(store if store is not None else cache_dir or default_cache_dir())
         self.loaded: LoadedModel = load(model, progress=progress)
-        self.cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+        assert location.path is not None, "s3 stores are opened below"
+        self.cache_dir = location.path
         self._scheme = kv_scheme_named(kv_scheme)
         self._shelf = Shelf(
             self.cache_dir,
@@ -92,6 +109,7 @@ class Engine:
             self._scheme,
             budget=budget,
             durable=durable,
+            store=open_store(location, self.loaded.fingerprint, shared=shared, node_id=node_id),
         )
         self._closed = False
         self._vocabulary = Vocabulary(self.loaded.tokenizer)  # built on the first constrained request
@@ -115,6 +133,22 @@ class Engine:
     @property
     def closed(self) -> bool:
         return self._closed
+
+    @property
+    def shared(self) -> bool:
+        """Whether other nodes serve from this engine's store at once (see ``__init__``)."""
+        return self._shelf.store.shared
+
+    @property
+    def node_id(self) -> str | None:
+        """This node's name in the records it writes (None: an unshared store and no name given)."""
+        return self._shelf.store.node_id
+
+    @property
+    def store_counters(self) -> StoreCounters:
+        """The store's round trips, failures, takeovers and refused writes
+        (``kvshelf.storage.counters``): what ``/metrics`` exports."""
+        return self._shelf.store.counters
 
     @property
     def store_dir(self) -> Path:

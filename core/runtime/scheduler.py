@@ -267,9 +267,9 @@ class Scheduler:
         if r.restoring is not None:
             if not r.restoring.done():
                 return False
-            cache = r.restoring.result()  # the shelf quarantines bad records itself
+            assert r.agent_id is not None  # the shelf quarantines bad records itself
+            r.cache, r.source = self._shelf.restored(r.agent_id, r.restoring.result())
             r.restoring = None
-            r.cache, r.source = (cache, "warm") if cache is not None else (self._shelf.new_cache(), "cold")
         if not r.planned:
             assert r.cache is not None
             r.cached = r.cache.reuse_prefix(r.prompt)

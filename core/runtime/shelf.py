@@ -33,7 +33,7 @@ from typing import cast
 
 import mlx.core as mx
 
-from kvshelf.errors import AgentBusy, AgentExists, StorageError, UnknownAgent
+from kvshelf.errors import AgentBusy, AgentExists, StaleWrite, StorageError, UnknownAgent
 from kvshelf.kv.agent_cache import AgentCache
 from kvshelf.kv.record import CacheRecord, agent_cache_from_record, agent_record, shared_prefix_id
 from kvshelf.kv.schemes import KVScheme
@@ -42,7 +42,7 @@ from kvshelf.model.spec import ModelCacheSpec
 from kvshelf.runtime.anonymous import AnonymousPrefixes
 from kvshelf.runtime.iothread import IOThread
 from kvshelf.runtime.pool import BlockPool, Resident
-from kvshelf.runtime.results import AgentInfo, AgentPage, ForgetResult, ForkResult, Residency
+from kvshelf.runtime.results import AgentInfo, AgentPage, CacheSource, ForgetResult, ForkResult, Residency
 from kvshelf.storage.agent_id import AgentId
 from kvshelf.storage.prefixes import SharedPrefixes
 from kvshelf.storage.records import RecordInfo, RecordStore
@@ -67,6 +67,10 @@ def _resident(aid: str) -> AgentId:
     return cast(AgentId, aid)
 
 
+Restored = tuple[AgentCache | None, CacheSource]
+"""What a restore found: the cache to use (None: start cold) and where it came from."""
+
+
 def _done(value: object) -> Future:
     fut: Future = Future()
     fut.set_result(value)
@@ -85,11 +89,16 @@ class Shelf:
         *,
         budget: int | str | None = None,
         durable: bool = False,
+        store: RecordStore | None = None,
     ) -> None:
+        """``store``: where the agents' records live (default: ``RecordStore(cache_dir,
+        fingerprint)``); ``cache_dir`` holds the shared prefixes either way. A shared
+        store (``RecordStore.shared``) makes the shelf check the store's version of an
+        agent before it reuses its RAM copy, and drop that copy when a save is refused."""
         self.spec = spec
         self.scheme = scheme
         self.durable = durable
-        self.store = RecordStore(cache_dir, fingerprint)
+        self.store = store if store is not None else RecordStore(cache_dir, fingerprint)
         self.shared = SharedPrefixes(cache_dir, fingerprint, spec)
         self.pool = BlockPool(budget)
         self.anonymous = AnonymousPrefixes()
@@ -100,7 +109,12 @@ class Shelf:
         self._saves: dict[AgentId, Future] = {}
         """Saves not finished yet, by agent (its latest one)."""
         self._finished: queue.SimpleQueue[tuple[AgentId, Future]] = queue.SimpleQueue()
+        self._refused: queue.SimpleQueue[AgentId] = queue.SimpleQueue()
+        """Agents whose save the store refused (``StaleWrite``): their RAM copy is dropped on the worker."""
         self._io = IOThread("kvshelf-io")
+        # A shared store's version checks run on their own thread: a hot turn must not wait
+        # behind other agents' saves to learn that its RAM copy is still current.
+        self._probe = IOThread("kvshelf-probe") if self.store.shared else None
         self.store.open_index()  # reconciles with the records in the background from now
         self._retry_delay = RETRY_FIRST_S
         self._retry_at = 0.0
@@ -133,14 +147,47 @@ class Shelf:
         return aid in self._lent
 
     def lend(self, aid: AgentId) -> AgentCache | None:
-        """Lend the agent out; its resident cache, or None if it must be restored first."""
+        """Lend the agent out; its resident cache, or None if it must be restored first
+        (always, in a shared store: the RAM copy is used once the store says it is current)."""
+        self._forget_finished_saves()  # a refused save's RAM copy goes before it can be lent
         self._lent.add(aid)
-        return self.pool.get(aid)
+        cache = self.pool.get(aid)
+        return None if self.store.shared else cache
 
     def restore(self, aid: AgentId) -> Future:
         """Read and verify the agent's record on the I/O thread (prefetch while others
-        decode); a Future of its cache, or of None when there is no usable record."""
-        return self._io.submit(self.load, aid)
+        decode): a Future of ``Restored``. In a shared store a resident agent's RAM copy is
+        checked against the store's version first (``_current_or_newer``)."""
+        resident = self.pool.get(aid) if self._probe is not None else None
+        if self._probe is not None and resident is not None:
+            return self._probe.submit(self._current_or_newer, aid, resident)
+        return self._io.submit(self._from_store, aid)
+
+    def restored(self, aid: AgentId, found: Restored) -> tuple[AgentCache, CacheSource]:
+        """Take what a restore found (worker thread): the cache to lend and its source. A
+        RAM copy that the store superseded leaves the pool here."""
+        cache, source = found
+        if source != "hot" and aid in self.pool:
+            self.pool.pop(aid)
+        return (cache, source) if cache is not None else (self.new_cache(), "cold")
+
+    def _from_store(self, aid: AgentId) -> Restored:
+        cache = self.load(aid)
+        return cache, ("warm" if cache is not None else "cold")
+
+    def _current_or_newer(self, aid: AgentId, resident: AgentCache) -> Restored:
+        """The resident copy if the store still holds the record it was saved as or loaded
+        from (one stat or HEAD); else the store's newer record (another node moved the agent
+        on: counted as a stale reload), or nothing if the agent was deleted. Probe thread."""
+        try:
+            if self.store.is_current(aid):
+                return resident, "hot"
+        except StorageError as exc:  # unreachable: serve what is here; the next save is conditional anyway
+            log.warning("agent %s: cannot check the store's version (%s); serving this node's RAM copy", aid, exc)
+            return resident, "hot"
+        self.store.counters.add("stale_reloads")
+        log.info("agent %s: the store holds a newer record than this node's RAM copy; using the store's", aid)
+        return self._from_store(aid)
 
     def give_back(self, aid: AgentId, cache: AgentCache | None) -> Future:
         """Take the agent back after its request: keep it resident, save it behind, spill
@@ -190,6 +237,13 @@ class Shelf:
         A failed one leaves the agent in ``unsaved``, which is what ``wait_saved`` reads."""
         while True:
             try:
+                refused = self._refused.get_nowait()
+            except queue.Empty:
+                break
+            if refused not in self._lent:
+                self.pool.pop(refused)
+        while True:
+            try:
                 aid, fut = self._finished.get_nowait()
             except queue.Empty:
                 return
@@ -214,6 +268,11 @@ class Shelf:
                 raise StorageError(
                     exc.errno or 0, f"could not write the shared prefix of agent {aid!r}: {exc}"
                 ) from exc
+        except StaleWrite as exc:  # another node moved the agent on, or it was deleted: never retried
+            log.warning("agent %s: %s; dropping this node's RAM copy of it", aid, exc)
+            self.unsaved.discard(aid)
+            self._refused.put(aid)
+            return False
         except StorageError as exc:
             log.error("could not save agent %s; keeping it in RAM and retrying later: %s", aid, exc)
             self.unsaved.add(aid)
@@ -277,6 +336,7 @@ class Shelf:
             if not self.wait_saved(victim) and not self.save_behind(victim, cache).result():
                 continue  # never drop state that is not safely on disk
             self.pool.pop(victim)
+            self.store.forget_version(victim)
 
     # -- control calls ---------------------------------------------------------------------
     def fork(self, src: AgentId, dst: AgentId) -> Future:
@@ -286,7 +346,7 @@ class Shelf:
         only once both records (and the shared prefix) are on disk."""
         if src in self._lent or dst in self._lent:
             raise AgentBusy(f"agent {src if src in self._lent else dst!r} has a request in flight")
-        if dst in self.pool or self.store.path_for(dst).exists():
+        if dst in self.pool or self.store.has_record(dst):
             raise AgentExists(f"agent {dst!r} already has a cache; forget it first")
         cache = self.pool.get(src)
         if cache is None:
@@ -349,6 +409,7 @@ class Shelf:
         if aid in self._lent or aid not in self.pool or not self.wait_saved(aid):
             return False
         self.pool.pop(aid)
+        self.store.forget_version(aid)
         return True
 
     def flush(self) -> list[str]:
@@ -359,6 +420,7 @@ class Shelf:
                 self.save_behind(aid, cache)
         for fut in list(self._saves.values()):
             fut.result()
+        self._forget_finished_saves()  # and drops the RAM copies of refused saves
         return sorted(self.unsaved)
 
     # -- listing (any thread) -------------------------------------------------------------
@@ -366,7 +428,18 @@ class Shelf:
         """One agent, resident or on disk, or None: a snapshot lookup and one index row."""
         resident = self.pool.residents().get(aid)
         record = self.store.info(aid)
+        if resident is not None and record is None and not self._unsaved_here(aid):
+            resident = None  # a shared store's record was deleted by another node: so is the agent
         return _agent_info(aid, resident, record) if resident or record else None
+
+    def _unsaved_here(self, aid: AgentId) -> bool:
+        """Whether a resident agent without a record is simply not saved yet (always, in a
+        store of one server); in a shared store only if this node never saw a record of it:
+        else another node deleted it, and its RAM copy is only a stale one."""
+        if not self.store.shared:
+            return True
+        version = self.store.version(aid)
+        return version is None or version.etag is None
 
     def agents_page(self, after: AgentId | None = None, limit: int = 100) -> AgentPage:
         """Up to ``limit`` agents with ids after ``after``, resident or on disk, in id order.
@@ -381,6 +454,7 @@ class Shelf:
         if more:
             residents = {a: r for a, r in residents.items() if a <= records[-1].agent_id}
         by_id: dict[str, RecordInfo] = {r.agent_id: r for r in records}
+        residents = {a: r for a, r in residents.items() if a in by_id or self._unsaved_here(_resident(a))}
         ids = sorted(by_id.keys() | residents.keys())
         data = [_agent_info(_resident(a), residents.get(a), by_id.get(a)) for a in ids[:limit]]
         if self._lent:  # agents are generating: let them have the machine
@@ -404,6 +478,8 @@ class Shelf:
         for fut in list(self._saves.values()):
             fut.exception()
         self._io.shutdown()
+        if self._probe is not None:
+            self._probe.shutdown()
         self.store.close()
 
 

@@ -54,6 +54,7 @@ from kvshelf.serving.metrics import CONTENT_TYPE, NodeMetrics
 from kvshelf.serving.openai_api import AppendRequest, ChatCompletionRequest, ForkRequest, invalid_request
 from kvshelf.storage import exclusive
 from kvshelf.storage.agent_id import AgentId
+from kvshelf.storage.location import parse_store
 from kvshelf.storage.records import RecordStore
 
 log = logging.getLogger(__name__)
@@ -288,7 +289,7 @@ def create_app(
     name = model_id(engine)
     node = node_id or socket.gethostname()
     drain = drain or Drain()
-    metrics = NodeMetrics(node, engine.residency, lambda: _store_counters(engine), lambda: drain.draining)
+    metrics = NodeMetrics(node, engine.residency, engine.store_counters.snapshot, lambda: drain.draining)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -461,12 +462,6 @@ def create_app(
     return app
 
 
-def _store_counters(engine: Engine) -> dict[str, int] | None:
-    """The store's counters for ``/metrics`` (``kvshelf.storage.counters``), where the store keeps them."""
-    counters = getattr(engine, "store_counters", None)
-    return None if counters is None else dict(counters.snapshot())
-
-
 def path_agent_id(agent_id: str) -> AgentId:
     """An agent id from a URL path or a body field, validated once, here; a bad one is a 400."""
     try:
@@ -528,6 +523,8 @@ def serve(
     port: int = 8000,
     api_key: str | None = None,
     log_level: str = "info",
+    store: str | None = None,
+    shared: bool = False,
     node_id: str | None = None,
     drain_s: float = DRAIN_S_DEFAULT,
 ) -> int:
@@ -543,7 +540,12 @@ def serve(
     serve`` prints either in one line and exits 2. See ``exclusive`` for what happens
     when the directory is deleted under a running server.
 
-    ``node_id`` is this node's ``X-KVShelf-Node`` (default ``<hostname>:<port>``). SIGTERM
+    ``store`` (a URL, ``kvshelf.storage.location``) replaces ``cache_dir``. With ``shared``
+    many servers (nodes, each named by ``node_id``) serve from one store: nothing claims it
+    as a whole, each write is conditional on what the node last read (``Engine``), and the
+    store is only checked to be usable at start (``exclusive.StoreUnusable`` otherwise).
+
+    ``node_id`` is also this node's ``X-KVShelf-Node`` (default ``<hostname>:<port>``). SIGTERM
     drains the node for ``drain_s`` seconds first (``kvshelf.serving.drain``).
 
     Returns the exit status: 0 once everything is on disk, ``EXIT_UNSAVED`` when some
@@ -557,16 +559,26 @@ def serve(
 
     if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
         log.warning("serving on %s without an API key: anyone who can reach it can read and erase agents", host)
-    root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    held = exclusive.claim(RecordStore(root, fingerprint_of(model)).directory)
+    if store is not None and cache_dir is not None:
+        raise ValueError("give the store as cache_dir or as store, not both")
+    location = parse_store(store if store is not None else cache_dir or default_cache_dir())
+    if shared:
+        held = None
+        exclusive.check_usable(location, fingerprint_of(model))
+    else:
+        if location.path is None:
+            raise exclusive.StoreUnusable(f"{location.url}: a store that is not a directory is served with --shared")
+        held = exclusive.claim(RecordStore(location.path, fingerprint_of(model)).directory)
     try:
         announce_blas()  # which BLAS MLX runs on (and the warning on the reference BLAS), before the slow load
-        engine = Engine(model, root, budget, durable=True)
+        engine = Engine(model, budget=budget, durable=True, store=location.url, shared=shared, node_id=node_id)
     except BaseException:
-        held.close()
+        if held is not None:
+            held.close()
         raise
-    assert engine.store_dir.resolve() == held.directory, (engine.store_dir, held.directory)
-    engine.guard_store(held.check)
+    if held is not None:
+        assert engine.store_dir.resolve() == held.directory, (engine.store_dir, held.directory)
+        engine.guard_store(held.check)
     drain = Drain()
     node = node_id or f"{socket.gethostname()}:{port}"
     app = create_app(engine, api_key=api_key, owner=held, node_id=node, drain=drain)

@@ -39,7 +39,18 @@ from kvshelf.errors import RecordRejected
 from kvshelf.kv.record import CacheRecord
 from kvshelf.model.arrays import borrow
 
-__all__ = ["FORMAT_VERSION", "TOKENS_TENSOR", "Decoded", "RecordRejected", "decode", "encode", "read_token_count"]
+__all__ = [
+    "FORMAT_VERSION",
+    "TOKENS_TENSOR",
+    "Decoded",
+    "RecordRejected",
+    "Stamp",
+    "decode",
+    "encode",
+    "header_of",
+    "read_header",
+    "read_token_count",
+]
 
 FORMAT_VERSION: int = 1
 TOKENS_TENSOR = "__tokens__"
@@ -59,6 +70,11 @@ _K_META = "kvshelf.meta"
 _K_NTOKENS = "kvshelf.n_tokens"
 _K_CHECKSUMS = "kvshelf.tensor_blake2b"
 _K_HEADER_SUM = "kvshelf.header_blake2b"
+# Added for shared stores (``kvshelf.storage.records``); absent from older records, which read
+# as generation 0, written by no named node, and live.
+_K_GENERATION = "kvshelf.generation"
+_K_NODE = "kvshelf.node_id"
+_K_TOMBSTONE = "kvshelf.tombstone"
 
 
 class _DType(NamedTuple):
@@ -176,11 +192,24 @@ def encode_header(metadata: Mapping[str, str], table: Mapping[str, Mapping[str, 
     return len(text).to_bytes(8, "little") + text
 
 
-def encode(record: CacheRecord, agent_id: str, model_fingerprint: str) -> list[bytes | memoryview]:
+def encode(
+    record: CacheRecord,
+    agent_id: str,
+    model_fingerprint: str,
+    *,
+    generation: int = 0,
+    node_id: str | None = None,
+    tombstone: bool = False,
+) -> list[bytes | memoryview]:
     """The file's bytes, in chunks to write in order (tensors borrowed, not copied).
 
+    ``generation`` (how many writes of this agent came before, plus one) and ``node_id``
+    (the writer) go in the header, under its checksum; ``tombstone`` marks the record
+    that a delete leaves in a shared store (no tokens, no tensors: see ``Decoded.tombstone``).
     Raises ValueError/TypeError for a malformed record, before anything is written.
     """
+    if not isinstance(generation, int) or isinstance(generation, bool) or generation < 0:
+        raise ValueError(f"generation must be a non-negative int, got {generation!r}")
     tokens = _tokens_payload(record.tokens)
     payloads = [tokens, *_tensor_payloads(record.tensors)]
     # Largest items first keeps every tensor aligned to its item size.
@@ -200,7 +229,12 @@ def encode(record: CacheRecord, agent_id: str, model_fingerprint: str) -> list[b
         _K_META: _meta_json(record.meta),
         _K_NTOKENS: str(tokens.shape[0]),
         _K_CHECKSUMS: json.dumps({p.name: _digest(p.data) for p in payloads}, sort_keys=True, separators=(",", ":")),
+        _K_GENERATION: str(generation),
     }
+    if node_id is not None:
+        metadata[_K_NODE] = node_id
+    if tombstone:
+        metadata[_K_TOMBSTONE] = "1"
     return [encode_header(metadata, table), *(p.data for p in payloads)]
 
 
@@ -216,6 +250,24 @@ class _Entry(NamedTuple):
     end: int
 
 
+class Stamp(NamedTuple):
+    """Who wrote a record and its place in the agent's history, from its header alone."""
+
+    generation: int
+    """Writes of this agent before this one, plus one (0: a record older than generations)."""
+    node_id: str | None
+    """The node that wrote it (None: not written by a named node)."""
+    tombstone: bool
+    """A delete's mark in a shared store: the agent is gone, and no older writer may come back."""
+
+
+def _stamp(metadata: Mapping[str, str]) -> Stamp:
+    generation = metadata.get(_K_GENERATION, "0")
+    if not generation.isdigit():
+        raise RecordRejected(f"garbled header: generation {generation[:20]!r} is not a number")
+    return Stamp(int(generation), metadata.get(_K_NODE), metadata.get(_K_TOMBSTONE) == "1")
+
+
 @dataclass
 class Decoded:
     agent_id: str
@@ -224,6 +276,7 @@ class Decoded:
     entries: list[_Entry]
     buffer: bytearray
     data_start: int
+    stamp: Stamp = Stamp(0, None, False)
 
     def to_record(self) -> CacheRecord:
         """Copy each tensor once, from the read buffer into MLX memory."""
@@ -373,7 +426,7 @@ def decode(buffer: bytearray, model_fingerprint: str) -> Decoded:
     tokens = np.frombuffer(
         buffer, dtype=np.int32, count=token_entry.shape[0], offset=data_start + token_entry.begin
     ).tolist()
-    return Decoded(agent_id, tokens, meta, entries, buffer, data_start)
+    return Decoded(agent_id, tokens, meta, entries, buffer, data_start, _stamp(metadata))
 
 
 def read_token_count(file: IO[bytes], size: int, model_fingerprint: str) -> int:
@@ -381,7 +434,24 @@ def read_token_count(file: IO[bytes], size: int, model_fingerprint: str) -> int:
 
     Trusts a header that passes its own checksum and fingerprint check without
     verifying the tensor data; raises RecordRejected or OSError."""
+    return read_header(file, size, model_fingerprint)[0]
+
+
+def read_header(file: IO[bytes], size: int, model_fingerprint: str) -> tuple[int, Stamp]:
+    """The token count and the stamp from a record's header alone (``file`` at offset 0),
+    on the same terms as ``read_token_count``."""
     header_length = _header_length(file.read(8), size)
     _, metadata = _decode_header(file.read(header_length), model_fingerprint)
     count = metadata.get(_K_NTOKENS, "")
-    return int(count) if count.isdigit() else 0
+    return (int(count) if count.isdigit() else 0), _stamp(metadata)
+
+
+def header_of(prefix: bytes | bytearray, size: int, model_fingerprint: str) -> tuple[int, Stamp] | int:
+    """``read_header`` on the first bytes of a record of ``size`` bytes (a ranged read of a
+    remote object); the number of leading bytes needed instead when ``prefix`` is too short."""
+    header_length = _header_length(prefix, size)
+    if len(prefix) < 8 + header_length:
+        return 8 + header_length
+    _, metadata = _decode_header(bytes(prefix[8 : 8 + header_length]), model_fingerprint)
+    count = metadata.get(_K_NTOKENS, "")
+    return (int(count) if count.isdigit() else 0), _stamp(metadata)

@@ -43,9 +43,12 @@ import sys
 import tempfile
 import threading
 from pathlib import Path
-from typing import IO
+from typing import IO, TYPE_CHECKING
 
 from kvshelf.errors import KVShelfError, StorageError
+
+if TYPE_CHECKING:
+    from kvshelf.storage.location import StoreLocation
 
 log = logging.getLogger(__name__)
 
@@ -212,3 +215,25 @@ def claim(directory: Path) -> Ownership:
         path_lock.close()
         raise _unusable(directory, exc) from None
     return Ownership(directory, path_lock, fd)
+
+
+def check_usable(location: StoreLocation, model_fingerprint: str) -> None:
+    """What ``claim`` proves at start-up, for a store that many nodes share and none claims:
+    that this node can create and write the model's store directory (or, for an object
+    store, list it). Raises StoreUnusable, which ``kvshelf serve`` reports in one line."""
+    if location.path is None:
+        from kvshelf.storage.location import open_store
+
+        try:
+            open_store(location, model_fingerprint, shared=True).probe()
+        except (StorageError, ValueError) as exc:
+            raise StoreUnusable(f"cannot use the store {location.url}: {exc}") from None
+        return
+    directory = Path(os.path.abspath(location.path)) / model_fingerprint.lower()[:16]
+    probe = directory / f".probe.{os.getpid()}"
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        raise _unusable(directory, exc) from None

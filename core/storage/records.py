@@ -34,6 +34,30 @@ pure function of the id (``<directory>/<id>.safetensors``): a flat directory
 costs nothing per save on the file systems measured (``benchmarks/store_scale.py``
 puts 100,000 agents' files beside the one saved), so the layout stays as it was
 and every existing store opens unchanged.
+
+Shared stores
+-------------
+Several nodes (``kvshelf serve --shared``) may serve from one store, a directory on an
+NFS or SMB mount here. None of them claims it as a whole (``kvshelf.storage.exclusive``
+is for a store of one server); instead each agent has one writer at a time, and the
+store enforces it:
+
+* every record header carries a ``generation`` (writes of the agent so far) and the
+  writer's node id (``codec.Stamp``; older records read as generation 0);
+* the store remembers, per agent, the ``Version`` it last read or wrote: the record
+  file's identity (``_etag``) and its generation. A save takes the agent's lock only for
+  its compare-and-write: it looks at the file again, refuses with ``StaleWrite`` if it is
+  not the one remembered, and renames the new record in. A load takes no lock at all.
+  So no lock is held across turns, and a node that is paused (SIGSTOP) or cut off holds
+  up no one; when it comes back its writes are refused, never written over newer ones;
+* ``is_current`` (one ``stat``) tells a node whether its RAM copy is still what the
+  store holds, before it reuses it;
+* a delete replaces the record with a tombstone (the id, a generation above all earlier
+  ones, no tokens), which every older writer's compare then fails on. A node that reads
+  the tombstone (a fresh conversation under the same id) writes above it.
+
+A store opened without ``shared`` behaves as before: saves are not conditional (two
+engines on one directory, last writer wins) and a delete removes every file.
 """
 
 from __future__ import annotations
@@ -52,16 +76,18 @@ from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import NamedTuple
 
 import filelock
 
-from kvshelf.errors import RecordRejected, StorageError
+from kvshelf.errors import RecordRejected, StaleWrite, StorageError
 from kvshelf.kv.record import CacheRecord
 from kvshelf.storage import codec
 from kvshelf.storage.agent_id import AgentId, id_path, is_valid_agent_id
+from kvshelf.storage.counters import StoreCounters
 from kvshelf.storage.index import AgentIndex, Row
 
-__all__ = ["RecordInfo", "RecordStore"]
+__all__ = ["RecordInfo", "RecordStore", "Version"]
 
 logger = logging.getLogger(__name__)
 
@@ -80,6 +106,26 @@ _NOT_WRITABLE = frozenset({errno.EROFS, errno.EACCES, errno.EPERM})
 _LEGACY_TEMP = re.compile(r"\.(.+)\.[0-9a-f]{32}\.tmp")
 # What an id read back from the index must look like before it names a file (agent_id's whitelist).
 _ROW_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}")
+
+
+class Version(NamedTuple):
+    """What this node last saw of one agent's record, which its next write is conditional on."""
+
+    etag: str | None
+    """The store's tag of the record's bytes (on a filesystem the file's identity, see
+    ``_etag``; on S3 its ETag); None where there was no record."""
+    generation: int
+    """The generation in the record's header (0 for none, or a record older than generations)."""
+
+
+_ABSENT = Version(None, 0)
+
+
+def _etag(st: os.stat_result) -> str:
+    """A record file's tag: device, inode, size and mtime. Every write is a rename of a new
+    file onto the name, so every write changes it (as every PUT changes an S3 ETag), and it
+    is read with one ``stat``, or from the open file that a load reads (``fstat``)."""
+    return f"{st.st_dev:x}.{st.st_ino:x}.{st.st_size:x}.{st.st_mtime_ns:x}"
 
 
 @dataclass(frozen=True)
@@ -115,9 +161,11 @@ def _fsync_file(fd: int) -> None:
     os.fsync(fd)
 
 
-def _read_file(path: Path) -> bytearray:
+def _read_file(path: Path) -> tuple[bytearray, os.stat_result]:
+    """The file's bytes and its ``fstat``: the identity of exactly the bytes read."""
     with open(path, "rb", buffering=0) as file:
-        size = os.fstat(file.fileno()).st_size
+        st = os.fstat(file.fileno())
+        size = st.st_size
         buffer = bytearray(size)
         view, got = memoryview(buffer), 0
         while got < size:
@@ -126,7 +174,7 @@ def _read_file(path: Path) -> bytearray:
                 break
             got += count
         del view
-    return buffer if got == size else buffer[:got]
+    return (buffer if got == size else buffer[:got]), st
 
 
 # --------------------------------------------------------------------------
@@ -145,13 +193,25 @@ class RecordStore:
         quarantine/              rejected records and their .reason files
     """
 
-    def __init__(self, root: Path, model_fingerprint: str, *, lock_timeout: float = 60.0, indexed: bool = True) -> None:
+    def __init__(
+        self,
+        root: Path,
+        model_fingerprint: str,
+        *,
+        lock_timeout: float = 60.0,
+        indexed: bool = True,
+        shared: bool = False,
+        node_id: str | None = None,
+        counters: StoreCounters | None = None,
+    ) -> None:
         """``model_fingerprint`` must be a hex digest (e.g. sha256) of the model.
 
         ``lock_timeout`` bounds how long save/load/delete wait for another
         process's hold on the same agent before raising StorageError.
         ``indexed``: keep the metadata index that ``info`` and ``page`` serve from
         (a store that is never listed page by page, like the shared prefixes', needs none).
+        ``shared``: many nodes serve from this store (see "Shared stores" below), and
+        ``node_id`` names this one in the records it writes.
         """
         if (
             not isinstance(model_fingerprint, str)
@@ -173,6 +233,12 @@ class RecordStore:
         check here (``kvshelf.storage.exclusive``), which raises StorageError once the
         directory it claimed is gone, so that a save never recreates it."""
         self.indexed = indexed
+        self.shared = shared
+        self.node_id = node_id
+        self.counters = counters if counters is not None else StoreCounters()
+        """Round trips, failures, takeovers and refused writes (``kvshelf.storage.counters``)."""
+        self._versions: dict[str, Version] = {}
+        self._versions_lock = threading.Lock()
         self._directory_name = str(self.directory)
         self._index: AgentIndex | None = None
         self._index_lock = threading.Lock()
@@ -258,12 +324,128 @@ class RecordStore:
         """
         path = self.path_for(agent_id)
         agent_id = _id_of(path)
-        chunks = codec.encode(record, agent_id, self.model_fingerprint)
-        with self._held(agent_id):
-            written, row = self._write_atomically(agent_id, path, chunks)
-            if (index := self.open_index()) is not None:
-                index.put(row._replace(tokens=len(record.tokens)))
-            return written
+        known = self.version(agent_id)
+        chunks = self._encode(record, agent_id, known) if known is not None else None
+        try:
+            with self._held(agent_id):
+                if self.shared or known is None:  # the compare of the compare-and-write, under the lock
+                    st = self._stat(path)
+                    if known is None:
+                        known = self._learn(agent_id, path, st)
+                        chunks = self._encode(record, agent_id, known)
+                    if self.shared and (_etag(st) if st is not None else None) != known.etag:
+                        raise self._refused(agent_id, path, known)
+                assert chunks is not None
+                written, st = self._write_atomically(agent_id, path, chunks)
+                self._remember(agent_id, Version(_etag(st), known.generation + 1))
+                if (index := self.open_index()) is not None:
+                    index.put(Row(agent_id, len(record.tokens), st.st_size, st.st_mtime_ns))
+        except StaleWrite:
+            self.counters.add("round_trips")
+            raise
+        except StorageError:
+            self.counters.add("round_trips")
+            self.counters.add("failures")
+            raise
+        self.counters.add("round_trips")
+        return written
+
+    # -- versions (shared stores) ----------------------------------------------------
+
+    def version(self, agent_id: str) -> Version | None:
+        """What this store last read or wrote of the agent's record (None: nothing yet)."""
+        with self._versions_lock:
+            return self._versions.get(agent_id)
+
+    def forget_version(self, agent_id: str) -> None:
+        """Drop what this store knows of the agent's record, when its RAM copy goes: the
+        next load learns it again, so this table holds only the agents in use."""
+        with self._versions_lock:
+            self._versions.pop(agent_id, None)
+
+    def _remember(self, agent_id: str, version: Version) -> None:
+        with self._versions_lock:
+            self._versions[agent_id] = version
+
+    def _encode(self, record: CacheRecord, agent_id: AgentId, known: Version) -> list[memoryview | bytes]:
+        return codec.encode(
+            record, agent_id, self.model_fingerprint, generation=known.generation + 1, node_id=self.node_id
+        )
+
+    def _stat(self, path: Path) -> os.stat_result | None:
+        try:
+            return os.stat(path)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            raise StorageError(exc.errno, f"cannot read the state of {path.name}: {exc.strerror}", str(path)) from exc
+
+    def _header(self, path: Path) -> codec.Stamp | None:
+        """The stamp of the record at ``path`` from its header; None if there is none or it
+        is unusable (a load quarantines it)."""
+        try:
+            with open(path, "rb") as file:
+                return codec.read_header(file, os.fstat(file.fileno()).st_size, self.model_fingerprint)[1]
+        except (OSError, RecordRejected):
+            return None
+
+    def _learn(self, agent_id: AgentId, path: Path, st: os.stat_result | None) -> Version:
+        """The version a save of an agent this store never read is conditional on (lock held):
+        none if there is no record, a tombstone's (a new conversation after a delete starts
+        above it), and a refusal in a shared store if a live record is there, which this
+        node's state was not built on."""
+        if st is None:
+            return _ABSENT
+        stamp = self._header(path)
+        if stamp is None or stamp.tombstone or not self.shared:
+            return Version(_etag(st), stamp.generation if stamp is not None else 0)
+        raise self._refused(agent_id, path, None)
+
+    def _refused(self, agent_id: AgentId, path: Path, known: Version | None) -> StaleWrite:
+        """The error of a refused write (lock held), saying what the store holds instead."""
+        self.counters.add("refused_writes")
+        self.forget_version(agent_id)
+        stamp = self._header(path)
+        held = f"generation {known.generation}" if known is not None else "no record of it"
+        if stamp is None:
+            found = "its record was removed or is unreadable"
+        else:
+            by = f" by node {stamp.node_id!r}" if stamp.node_id else ""
+            found = f"{'it was deleted' if stamp.tombstone else 'it was written'} at generation {stamp.generation}{by}"
+        return StaleWrite(
+            errno.ESTALE,
+            f"not saving agent {agent_id!r}: its record changed since this node read it ({found}; "
+            f"this node held {held})",
+            str(path),
+        )
+
+    def is_current(self, agent_id: str) -> bool:
+        """Whether the agent's record is still the one this store last read or wrote: one
+        ``stat``, no read. What a node asks before it reuses its RAM copy of an agent."""
+        path = self.path_for(agent_id)
+        known = self.version(_id_of(path))
+        self.counters.add("round_trips")
+        try:
+            st = self._stat(path)
+        except StorageError:
+            self.counters.add("failures")
+            raise
+        return known is not None and (_etag(st) if st is not None else None) == known.etag
+
+    def probe(self) -> None:
+        """One round trip that proves the store can be written (here: its directory made);
+        StorageError otherwise."""
+        self._ensure_directory()
+
+    def has_record(self, agent_id: str) -> bool:
+        """Whether the agent has a record (a delete's tombstone is none)."""
+        path = self.path_for(agent_id)
+        if not path.exists():
+            return False
+        if not self.shared:
+            return True
+        stamp = self._header(path)
+        return stamp is None or not stamp.tombstone
 
     def load(self, agent_id: str) -> CacheRecord | None:
         """The agent's record, or None when there is none or it was unusable.
@@ -281,7 +463,10 @@ class RecordStore:
         """
         path = self.path_for(agent_id)
         agent_id = _id_of(path)
+        if self.shared:
+            return self._load_shared(agent_id, path)
         if not path.exists():  # no lock file is created for agents never saved
+            self._remember(agent_id, _ABSENT)
             return None
         lock = self.lock(agent_id)
         try:
@@ -291,16 +476,48 @@ class RecordStore:
                 raise
             return self._load_unlocked(agent_id, path, exc.__cause__ if isinstance(exc.__cause__, OSError) else exc)
         try:
-            buffer = self._read(agent_id, path)
-            if buffer is None:
+            read = self._read(agent_id, path)
+            if read is None:
                 return None
             try:
-                decoded = codec.decode(buffer, self.model_fingerprint)
+                decoded = codec.decode(read[0], self.model_fingerprint)
             except RecordRejected as rejected:
                 self._quarantine(agent_id, path, rejected.reason)
                 return None
+            self._remember(agent_id, Version(_etag(read[1]), decoded.stamp.generation))
         finally:
             lock.release()
+        return self._ours(agent_id, path, decoded)
+
+    def _load_shared(self, agent_id: AgentId, path: Path) -> CacheRecord | None:
+        """``load`` in a shared store: no lock (writers replace records atomically, and a
+        SIGSTOPped node must not hold up the others), and the version read is remembered
+        from the very file read. A tombstone reads as no record."""
+        self.counters.add("round_trips")
+        try:
+            read = self._read(agent_id, path)
+        except StorageError:
+            self.counters.add("failures")
+            raise
+        if read is None:
+            self._remember(agent_id, _ABSENT)
+            return None
+        buffer, st = read
+        try:
+            decoded = codec.decode(buffer, self.model_fingerprint)
+        except RecordRejected as rejected:
+            with self._held(agent_id):  # only the bytes judged: a newer record stays where it is
+                current = self._stat(path)
+                if current is not None and _etag(current) == _etag(st):
+                    self._quarantine(agent_id, path, rejected.reason)
+            self.forget_version(agent_id)
+            return None
+        stamp = decoded.stamp
+        self._remember(agent_id, Version(_etag(st), stamp.generation))
+        if stamp.tombstone:
+            return None
+        if stamp.node_id is not None and stamp.node_id != self.node_id:
+            self.counters.add("takeovers")
         return self._ours(agent_id, path, decoded)
 
     def _load_unlocked(self, agent_id: AgentId, path: Path, why: OSError) -> CacheRecord | None:
@@ -312,19 +529,19 @@ class RecordStore:
             why.strerror or why,
         )
         try:
-            buffer = self._read(agent_id, path)
+            read = self._read(agent_id, path)
         except StorageError:
             return None  # logged by _read: the agent starts cold
-        if buffer is None:
+        if read is None:
             return None
         try:
-            decoded = codec.decode(buffer, self.model_fingerprint)
+            decoded = codec.decode(read[0], self.model_fingerprint)
         except RecordRejected as rejected:
             self._quarantine(agent_id, path, rejected.reason)  # logs that it could not move it
             return None
         return self._ours(agent_id, path, decoded)
 
-    def _read(self, agent_id: AgentId, path: Path) -> bytearray | None:
+    def _read(self, agent_id: AgentId, path: Path) -> tuple[bytearray, os.stat_result] | None:
         try:
             return _read_file(path)
         except FileNotFoundError:
@@ -358,9 +575,15 @@ class RecordStore:
         this call, so that its hold stays meaningful. Other agents' files,
         including ones whose id merely starts with this one, are never touched.
         Returns the paths removed.
+
+        In a shared store the record is replaced by a tombstone instead (see "Shared
+        stores"): the id and a generation above every earlier one, nothing of the
+        conversation. A node still holding the agent then finds its write refused.
         """
         path = self.path_for(agent_id)
         agent_id = _id_of(path)
+        if self.shared:
+            return self._tombstone(agent_id, path)
         lock_path = self._lock_path(agent_id)
         temp = self._temp_path(agent_id)
         if not (path.exists() or lock_path.exists() or temp.exists() or self._quarantined(agent_id)):
@@ -379,6 +602,43 @@ class RecordStore:
                     removed.append(lock_path)
         if removed:
             self._fsync_directory()
+        return removed
+
+    def _tombstone(self, agent_id: AgentId, path: Path) -> list[Path]:
+        """``delete`` in a shared store: a tombstone at the record's name, written under the
+        agent's lock whatever the record was (a delete is final: it is never refused)."""
+        removed: list[Path] = []
+        self.counters.add("round_trips")
+        try:
+            with self._held(agent_id):
+                st = self._stat(path)
+                stamp = self._header(path) if st is not None else None
+                known = self.version(agent_id)
+                if stamp is not None and stamp.tombstone:
+                    self._remember(agent_id, Version(_etag(st), stamp.generation) if st else _ABSENT)
+                else:
+                    generation = max(stamp.generation if stamp else 0, known.generation if known else 0) + 1
+                    chunks = codec.encode(
+                        CacheRecord(tokens=[]),
+                        agent_id,
+                        self.model_fingerprint,
+                        generation=generation,
+                        node_id=self.node_id,
+                        tombstone=True,
+                    )
+                    _, written = self._write_atomically(agent_id, path, chunks)
+                    self._remember(agent_id, Version(_etag(written), generation))
+                    if st is not None:
+                        removed.append(path)
+                for victim in [self._temp_path(agent_id), *self._quarantined(agent_id)]:
+                    with suppress(FileNotFoundError):
+                        victim.unlink()
+                        removed.append(victim)
+                if (index := self.open_index()) is not None:
+                    index.remove(agent_id, erase=True)
+        except StorageError:
+            self.counters.add("failures")
+            raise
         return removed
 
     def size_on_disk(self, agent_id: str) -> int:
@@ -504,18 +764,25 @@ class RecordStore:
             row = self._header_row(aid, path)
             if row.size < 0:
                 return None
+            if row.tokens is not None and row.tokens < 0:  # a tombstone: no agent here
+                if index is not None:
+                    index.remove(aid)
+                return None
             if index is not None:
                 index.put(row)
         return RecordInfo(aid, row.tokens or 0, row.size, row.mtime_ns / 1e9)
 
     def _header_row(self, aid: AgentId, path: str) -> Row:
         """A fresh row from the record's header (tokens 0 when the header is unusable;
-        load quarantines such a record). Size and mtime come from the same open file."""
+        load quarantines such a record; -1 for a tombstone). Size and mtime come from the
+        same open file."""
         try:
             with open(path, "rb") as file:
                 st = os.fstat(file.fileno())
                 try:
-                    tokens = codec.read_token_count(file, st.st_size, self.model_fingerprint)
+                    tokens, stamp = codec.read_header(file, st.st_size, self.model_fingerprint)
+                    if stamp.tombstone:
+                        tokens = -1
                 except RecordRejected:
                     tokens = 0
         except OSError:
@@ -564,21 +831,27 @@ class RecordStore:
         for entry in entries:
             if entry.name.endswith(RECORD_SUFFIX) and entry.is_file(follow_symlinks=False):
                 candidate = entry.name[: -len(RECORD_SUFFIX)]
-                if is_valid_agent_id(candidate):
+                if is_valid_agent_id(candidate) and not (self.shared and self._is_tombstone(Path(entry.path))):
                     ids.append(AgentId(candidate))
         return sorted(ids)
 
     # -- internals -----------------------------------------------------------
+
+    def _is_tombstone(self, path: Path) -> bool:
+        stamp = self._header(path)
+        return stamp is not None and stamp.tombstone
 
     def _temp_path(self, agent_id: str) -> Path:
         """Where a save of the agent writes before its rename: one name per agent, as
         only the holder of the agent's lock writes it."""
         return self.directory / f".{agent_id}{TEMP_SUFFIX}"
 
-    def _write_atomically(self, agent_id: str, path: Path, chunks: list[memoryview | bytes]) -> tuple[int, Row]:
+    def _write_atomically(
+        self, agent_id: str, path: Path, chunks: list[memoryview | bytes]
+    ) -> tuple[int, os.stat_result]:
         """Temp file, fsync, rename, fsync dir; on failure the old record stays.
 
-        Returns the bytes written and the record's index row (tokens left unknown)."""
+        Returns the bytes written and the file's ``fstat`` (the rename keeps it: ``_etag``)."""
         temp = self._temp_path(agent_id)
         fd = -1
         try:
@@ -608,7 +881,7 @@ class RecordStore:
                 str(path),
             ) from exc
         self._fsync_directory()
-        return written, Row(agent_id, None, st.st_size, st.st_mtime_ns)
+        return written, st
 
     def _fsync_directory(self) -> None:
         """Make renames durable. Some filesystems refuse to fsync a directory;
