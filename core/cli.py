@@ -87,7 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="URL",
         help="where agent records live: a directory, file:///dir or s3://bucket/prefix "
-        "(credentials and endpoint from AWS_*; instead of --cache-dir)",
+        "(credentials and endpoint from AWS_*; for s3, --cache-dir is the local read-through cache)",
     )
     serve.add_argument(
         "--shared",
@@ -147,10 +147,8 @@ def main(argv: list[str] | None = None) -> int:
         from kvshelf.storage.location import parse_store, validate_node_id
 
         try:
-            if args.store is not None and args.cache_dir is not None:
-                raise ValueError("give --store or --cache-dir, not both")
-            if args.store is not None:
-                parse_store(args.store)
+            if args.store is not None and parse_store(args.store).path is not None and args.cache_dir is not None:
+                raise ValueError("give a directory as --store or as --cache-dir, not both")
             if args.node_id is not None:
                 validate_node_id(args.node_id)
         except ValueError as exc:

@@ -47,7 +47,7 @@ from kvshelf.runtime.scheduler import Request, Scheduler
 from kvshelf.runtime.shelf import Shelf
 from kvshelf.storage.agent_id import AgentId, validate_agent_id
 from kvshelf.storage.counters import StoreCounters
-from kvshelf.storage.location import open_store, parse_store
+from kvshelf.storage.location import local_root, open_store, parse_store
 from kvshelf.structured.constraint import TokenConstraint, Vocabulary
 from kvshelf.structured.grammar import Grammar
 from kvshelf.structured.plan import plan_output
@@ -95,12 +95,13 @@ class Engine:
         (a refused one is answered ``saved: false`` and the agent's RAM copy dropped), and
         a RAM copy is reused only while the store still holds the record it came from.
         ``node_id`` names this node in the records it writes (default: the host name)."""
-        if store is not None and cache_dir is not None:
-            raise ValueError("give the store as cache_dir (a directory) or store (a URL), not both")
         location = parse_store(store if store is not None else cache_dir or default_cache_dir())
+        if store is not None and cache_dir is not None and location.path is not None:
+            raise ValueError("give a directory as cache_dir or as store, not both")
         self.loaded: LoadedModel = load(model, progress=progress)
-        assert location.path is not None, "s3 stores are opened below"
-        self.cache_dir = location.path
+        self.cache_dir = local_root(location, Path(cache_dir) if cache_dir is not None else None)
+        """The node's own directory: the store for a directory store; the read-through cache
+        (and this node's shared prefixes) for a remote one (``cache_dir``, if given)."""
         self._scheme = kv_scheme_named(kv_scheme)
         self._shelf = Shelf(
             self.cache_dir,
@@ -109,7 +110,9 @@ class Engine:
             self._scheme,
             budget=budget,
             durable=durable,
-            store=open_store(location, self.loaded.fingerprint, shared=shared, node_id=node_id),
+            store=open_store(
+                location, self.loaded.fingerprint, shared=shared, node_id=node_id, cache_dir=self.cache_dir
+            ),
         )
         self._closed = False
         self._vocabulary = Vocabulary(self.loaded.tokenizer)  # built on the first constrained request

@@ -354,7 +354,7 @@ class Shelf:
             if cache is None:
                 raise UnknownAgent(f"no cache for agent {src!r}")
             self.pool.put(src, cache)
-        prefix = cache.share_prefix()
+        prefix = cache.share_prefix() if self.store.shares_prefixes else None  # else the twin copies
         if prefix is not None:
             cache.adopt(self.shared.intern(prefix))
         twin = cache.fork()

@@ -540,7 +540,8 @@ def serve(
     serve`` prints either in one line and exits 2. See ``exclusive`` for what happens
     when the directory is deleted under a running server.
 
-    ``store`` (a URL, ``kvshelf.storage.location``) replaces ``cache_dir``. With ``shared``
+    ``store`` (a URL, ``kvshelf.storage.location``) replaces ``cache_dir``, which then names
+    a remote store's local read-through cache. With ``shared``
     many servers (nodes, each named by ``node_id``) serve from one store: nothing claims it
     as a whole, each write is conditional on what the node last read (``Engine``), and the
     store is only checked to be usable at start (``exclusive.StoreUnusable`` otherwise).
@@ -559,9 +560,10 @@ def serve(
 
     if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
         log.warning("serving on %s without an API key: anyone who can reach it can read and erase agents", host)
-    if store is not None and cache_dir is not None:
-        raise ValueError("give the store as cache_dir or as store, not both")
     location = parse_store(store if store is not None else cache_dir or default_cache_dir())
+    if store is not None and cache_dir is not None and location.path is not None:
+        raise ValueError("give a directory as cache_dir or as store, not both")
+    local = Path(cache_dir) if cache_dir is not None and location.path is None else None  # a remote store's cache
     if shared:
         held = None
         exclusive.check_usable(location, fingerprint_of(model))
@@ -571,7 +573,7 @@ def serve(
         held = exclusive.claim(RecordStore(location.path, fingerprint_of(model)).directory)
     try:
         announce_blas()  # which BLAS MLX runs on (and the warning on the reference BLAS), before the slow load
-        engine = Engine(model, budget=budget, durable=True, store=location.url, shared=shared, node_id=node_id)
+        engine = Engine(model, local, budget, durable=True, store=location.url, shared=shared, node_id=node_id)
     except BaseException:
         if held is not None:
             held.close()

@@ -12,7 +12,10 @@ The header's ``__metadata__`` (all strings) holds the format version, the full
 model fingerprint, the agent id, the caller's ``meta`` as JSON, the token count,
 a blake2b-128 checksum per tensor and a blake2b-128 checksum of the header
 bytes themselves (computed with its own value zeroed). Token ids are stored as
-the int32 tensor ``__tokens__``; prompt text is never stored.
+the int32 tensor ``__tokens__``; prompt text is never stored. For shared stores the
+header also holds the record's ``generation`` and the writer's node id, and a delete's
+tombstone is a record with no tokens marked ``tombstone`` (``Stamp``); records written
+before these keys existed read as generation 0, written by no named node.
 
 A record is only worth anything if it is *exactly* what was saved, so every byte is
 covered by a checksum and every structural fact is verified before anything indexes

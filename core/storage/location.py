@@ -21,10 +21,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import unquote, urlparse
 
+from kvshelf.paths import kvshelf_home
 from kvshelf.storage.counters import StoreCounters
 from kvshelf.storage.records import RecordStore
 
-__all__ = ["StoreLocation", "default_node_id", "open_store", "parse_store", "validate_node_id"]
+__all__ = ["StoreLocation", "default_node_id", "local_root", "open_store", "parse_store", "validate_node_id"]
 
 _NODE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 
@@ -85,6 +86,17 @@ def default_node_id() -> str:
     return name or "node"
 
 
+def local_root(location: StoreLocation, cache_dir: Path | None = None) -> Path:
+    """The node's own directory for a store: the store itself for a directory; for a remote
+    store its read-through cache (and the node's shared prefixes), ``cache_dir`` or
+    ``$KVSHELF_HOME/remote/<bucket>/<prefix>``."""
+    if location.path is not None:
+        return location.path
+    if cache_dir is not None:
+        return Path(cache_dir)
+    return kvshelf_home().joinpath("remote", location.bucket, *[p for p in location.prefix.split("/") if p])
+
+
 def open_store(
     location: StoreLocation | str | Path,
     model_fingerprint: str,
@@ -92,8 +104,10 @@ def open_store(
     shared: bool = False,
     node_id: str | None = None,
     counters: StoreCounters | None = None,
+    cache_dir: Path | None = None,
 ) -> RecordStore:
-    """The record store of one model at ``location``.
+    """The record store of one model at ``location``: a ``RecordStore`` for a directory, a
+    ``remote.RemoteRecordStore`` (same methods) for ``s3://``, cached under ``local_root``.
 
     ``shared``: several nodes serve from it at once, each writing only on top of what it
     last read (``RecordStore``'s "Shared stores"); ``node_id`` names this node in what it
@@ -107,4 +121,14 @@ def open_store(
     if where.scheme == "file":
         assert where.path is not None
         return RecordStore(where.path, model_fingerprint, shared=shared, node_id=node_id, counters=counters)
-    raise ValueError(f"{where.url}: s3 stores are not available in this build")
+    from kvshelf.storage.objects import ObjectBackend
+    from kvshelf.storage.remote import RemoteRecordStore
+
+    return RemoteRecordStore(
+        ObjectBackend(where.bucket, where.prefix),
+        local_root(where, cache_dir),
+        model_fingerprint,
+        shared=shared,
+        node_id=node_id,
+        counters=counters,
+    )

@@ -68,7 +68,6 @@ import os
 import re
 import secrets
 import stat
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -85,6 +84,10 @@ from kvshelf.kv.record import CacheRecord
 from kvshelf.storage import codec
 from kvshelf.storage.agent_id import AgentId, id_path, is_valid_agent_id
 from kvshelf.storage.counters import StoreCounters
+from kvshelf.storage.files import etag_of
+from kvshelf.storage.files import fsync_file as _fsync_file
+from kvshelf.storage.files import read_file as _read_file
+from kvshelf.storage.files import write_all as _write_all
 from kvshelf.storage.index import AgentIndex, Row
 
 __all__ = ["RecordInfo", "RecordStore", "Version"]
@@ -121,11 +124,7 @@ class Version(NamedTuple):
 _ABSENT = Version(None, 0)
 
 
-def _etag(st: os.stat_result) -> str:
-    """A record file's tag: device, inode, size and mtime. Every write is a rename of a new
-    file onto the name, so every write changes it (as every PUT changes an S3 ETag), and it
-    is read with one ``stat``, or from the open file that a load reads (``fstat``)."""
-    return f"{st.st_dev:x}.{st.st_ino:x}.{st.st_size:x}.{st.st_mtime_ns:x}"
+_etag = etag_of
 
 
 @dataclass(frozen=True)
@@ -140,41 +139,6 @@ class RecordInfo:
 
 # --------------------------------------------------------------------------
 # Filesystem helpers
-
-
-def _write_all(fd: int, data: memoryview | bytes) -> int:
-    view = memoryview(data)
-    written = 0
-    while written < len(view):
-        written += os.write(fd, view[written:])
-    return written
-
-
-def _fsync_file(fd: int) -> None:
-    """fsync; on macOS plain fsync does not reach the platter, F_FULLFSYNC does."""
-    if sys.platform == "darwin":
-        import fcntl
-
-        with suppress(OSError, AttributeError):
-            fcntl.fcntl(fd, fcntl.F_FULLFSYNC)  # type: ignore[attr-defined]
-            return
-    os.fsync(fd)
-
-
-def _read_file(path: Path) -> tuple[bytearray, os.stat_result]:
-    """The file's bytes and its ``fstat``: the identity of exactly the bytes read."""
-    with open(path, "rb", buffering=0) as file:
-        st = os.fstat(file.fileno())
-        size = st.st_size
-        buffer = bytearray(size)
-        view, got = memoryview(buffer), 0
-        while got < size:
-            count = file.readinto(view[got:])
-            if not count:
-                break
-            got += count
-        del view
-    return (buffer if got == size else buffer[:got]), st
 
 
 # --------------------------------------------------------------------------
@@ -192,6 +156,10 @@ class RecordStore:
         .index.sqlite3[-wal|-shm] the metadata index (``kvshelf.storage.index``)
         quarantine/              rejected records and their .reason files
     """
+
+    shares_prefixes = True
+    """Whether records may start on a shared prefix (``kvshelf.storage.prefixes``), which
+    lives beside a directory store; a remote store's forks copy their blocks instead."""
 
     def __init__(
         self,
