@@ -206,7 +206,9 @@ def routing(model: str, work: Path, size: Size) -> list[dict]:
     for round_robin in (False, True):
         name = "round robin" if round_robin else "affinity (hash on X-Agent-Id)"
         with Cluster(model, work / f"routing-{int(round_robin)}", 2, shared=True, round_robin=round_robin) as cluster:
-            agents = [Agent(f"route-{i}", size.history_tokens * 3 // 4, 8) for i in range(size.agents)]
+            # an odd count: taken in turn over 2 nodes, each agent then changes node every round
+            count = size.agents | 1
+            agents = [Agent(f"route-{i}", size.history_tokens * 3 // 4, 8) for i in range(count)]
             timed: list[dict] = []
             with _client() as http:
                 for a in agents:
