@@ -76,6 +76,13 @@ def build_parser() -> argparse.ArgumentParser:
         "(default: $KVSHELF_API_KEY, which keeps the key out of the process list)",
     )
     serve.add_argument(
+        "--drain-seconds",
+        type=float,
+        default=3.0,
+        help="on SIGTERM, answer /health with 503 and refuse new agents this long before stopping, "
+        "so a load balancer moves them first (0: stop at once)",
+    )
+    serve.add_argument(
         "--store",
         default=None,
         metavar="URL",
@@ -156,6 +163,7 @@ def main(argv: list[str] | None = None) -> int:
                 port=args.port,
                 api_key=args.api_key,
                 log_level=level,
+                drain_s=args.drain_seconds,
                 store=args.store,
                 shared=args.shared,
                 node_id=args.node_id,

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from kvbench import (
     capacity,
+    cluster,
     decode_section,
     invariance,
     machine,
@@ -46,6 +47,7 @@ MODULES = {
     "peer": peer,
     "store": store_scale,
     "structured": structured,
+    "cluster": cluster,
 }
 MODE_DOCS = {
     "quick": "a smoke run (< 15 min on 2 cores): TTFT at 1K–4K, capacity at 1K–4K, perplexity over 1K tokens, "

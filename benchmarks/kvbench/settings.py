@@ -23,6 +23,7 @@ SECTIONS = (
     "peer",
     "store",
     "structured",
+    "cluster",
 )
 
 

@@ -39,6 +39,7 @@ from kvshelf.runtime.results import (  # noqa: F401  (re-exported)
     ChatResult,
     ForgetResult,
     ForkResult,
+    Residency,
     Usage,
 )
 from kvshelf.runtime.sampling import Sampler
@@ -502,6 +503,11 @@ class Engine:
         """One agent's listing entry (resident or on disk), None if it has no cache:
         a lookup in RAM and one index row, however many agents the store holds."""
         return self._shelf.agent_info(validate_agent_id(agent_id))
+
+    def residency(self) -> Residency:
+        """How many agents are resident in RAM and in the store, and their bytes; runs in
+        the caller's thread (a snapshot and one index query), never on the scheduler."""
+        return self._shelf.residency()
 
     def shared_prefixes(self) -> dict[str, list[str]]:
         """Every shared prefix on disk, with the agents whose records start on it.

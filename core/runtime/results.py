@@ -51,6 +51,17 @@ class AgentInfo:
 
 
 @dataclass
+class Residency:
+    """Where this engine's agents are, in counts and bytes (what ``/metrics`` exports)."""
+
+    ram_agents: int
+    ram_bytes: int
+    store_agents: int
+    """Agents with a record in the store (on a shared store: every node's)."""
+    store_bytes: int
+
+
+@dataclass
 class AgentPage:
     """One page of ``Engine.agents_page``: agents in id order, and whether more follow.
 

@@ -42,7 +42,7 @@ from kvshelf.model.spec import ModelCacheSpec
 from kvshelf.runtime.anonymous import AnonymousPrefixes
 from kvshelf.runtime.iothread import IOThread
 from kvshelf.runtime.pool import BlockPool, Resident
-from kvshelf.runtime.results import AgentInfo, AgentPage, CacheSource, ForgetResult, ForkResult
+from kvshelf.runtime.results import AgentInfo, AgentPage, CacheSource, ForgetResult, ForkResult, Residency
 from kvshelf.storage.agent_id import AgentId
 from kvshelf.storage.prefixes import SharedPrefixes
 from kvshelf.storage.records import RecordInfo, RecordStore
@@ -464,6 +464,14 @@ class Shelf:
         if self._lent:  # agents are generating: let them have the machine
             time.sleep((time.perf_counter() - started) * (1 / self.listing_share - 1))
         return AgentPage(data, more or len(ids) > limit)
+
+    def residency(self) -> Residency:
+        """Agents in RAM and in the store, with their bytes: a snapshot of the pool and one
+        aggregate query of the store's index (any thread)."""
+        residents = self.pool.residents()
+        index = self.store.open_index()
+        store_agents, store_bytes = index.totals() if index is not None else (0, 0)
+        return Residency(len(residents), sum(r.ram_bytes for r in residents.values()), store_agents, store_bytes)
 
     def shared_prefixes(self) -> dict[str, list[str]]:
         """Each shared prefix on disk and the agents marked as its users."""

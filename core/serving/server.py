@@ -8,8 +8,13 @@ is a 400, never a silent rewrite.
 
 Endpoints: ``POST /v1/chat/completions`` (JSON or SSE), ``GET /v1/models``,
 ``GET /v1/agents`` (paged the OpenAI way: ``limit``, ``after``, ``has_more``),
-``GET``/``DELETE /v1/agents/{id}`` and ``GET /health``. With an
-API key set, every endpoint but ``/health`` wants ``Authorization: Bearer KEY``.
+``GET``/``DELETE /v1/agents/{id}``, ``GET /health`` and ``GET /metrics`` (Prometheus,
+``kvshelf.serving.metrics``). With an API key set, every endpoint but ``/health`` wants
+``Authorization: Bearer KEY``.
+
+Behind a load balancer (``deploy/haproxy.cfg``, ``deploy/nginx.conf``): every response
+carries ``X-KVShelf-Node``, the node's id, and SIGTERM drains the node before it stops
+(``kvshelf.serving.drain``).
 
 Every error is an OpenAI-style ``{"error": {message, type, param, code}}`` object with
 a 4xx status for a bad request, so clients raise the usual exception types.
@@ -21,6 +26,7 @@ import asyncio
 import hmac
 import logging
 import signal
+import socket
 import threading
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Iterator
 from contextlib import asynccontextmanager, contextmanager, suppress
@@ -42,7 +48,9 @@ from kvshelf.paths import default_cache_dir
 from kvshelf.runtime.engine import AgentInfo, ChatResult, Engine
 from kvshelf.runtime.params import GenerationParams
 from kvshelf.serving.completions import completion, events, model_id, prepare
-from kvshelf.serving.errors_http import bad_request, error_response
+from kvshelf.serving.drain import DRAIN_S_DEFAULT, RETRY_AFTER_S, Drain
+from kvshelf.serving.errors_http import bad_request, error_body, error_response
+from kvshelf.serving.metrics import CONTENT_TYPE, NodeMetrics
 from kvshelf.serving.openai_api import AppendRequest, ChatCompletionRequest, ForkRequest, invalid_request
 from kvshelf.storage import exclusive
 from kvshelf.storage.agent_id import AgentId
@@ -52,6 +60,7 @@ from kvshelf.storage.records import RecordStore
 log = logging.getLogger(__name__)
 
 AGENT_HEADER = "x-agent-id"
+NODE_HEADER = "X-KVShelf-Node"
 MAX_BODY_BYTES = 32 << 20
 LIST_LIMIT_DEFAULT, LIST_LIMIT_MAX = 20, 100  # OpenAI's for its paged lists
 EXIT_UNSAVED = 1
@@ -204,6 +213,45 @@ def _replay(body: bytes, receive: Receive) -> Receive:
     return replayed
 
 
+class NodeFront:
+    """The outermost layer: names this node on every response (``X-KVShelf-Node``, so a
+    client or a balancer's log can see which node answered) and counts every answer's
+    status for ``/metrics``, the guard's refusals included."""
+
+    def __init__(self, app: ASGIApp, node_id: str, metrics: NodeMetrics) -> None:
+        self.app, self.node, self.metrics = app, node_id.encode(), metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        status = 500
+
+        async def named(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                message = {**message, "headers": [*message.get("headers", []), (b"x-kvshelf-node", self.node)]}
+            await send(message)
+
+        try:
+            await self.app(scope, receive, named)
+        finally:
+            self.metrics.observe_request(scope["method"], scope["path"], status)
+
+
+async def _observed(
+    stream: AsyncGenerator[str | ChatResult, None], metrics: NodeMetrics
+) -> AsyncGenerator[str | ChatResult, None]:
+    """The engine's stream, with its final result counted in the metrics (TTFT, cached share)."""
+    try:
+        async for item in stream:
+            if isinstance(item, ChatResult):
+                metrics.observe_turn(item)
+            yield item
+    finally:
+        await stream.aclose()
+
+
 def _agent_body(a: AgentInfo) -> dict[str, Any]:
     return {
         "id": a.agent_id,
@@ -224,16 +272,24 @@ def create_app(
     defaults: GenerationParams | None = None,
     max_body_bytes: int = MAX_BODY_BYTES,
     owner: exclusive.Ownership | None = None,
+    node_id: str | None = None,
+    drain: Drain | None = None,
 ) -> FastAPI:
     """The ASGI app over ``engine``. On shutdown (after uvicorn's grace period has let open
     requests finish or cancelled them) it closes the engine with ``close_engine``, which
     flushes pending saves; the agents it could not save are then in
     ``app.state.unsaved_at_exit``.
 
+    ``node_id`` is sent as ``X-KVShelf-Node`` on every response (default: the host
+    name); ``drain`` is the state ``kvshelf serve`` sets on SIGTERM (``kvshelf.serving.drain``).
+
     A sampling field a request leaves out takes its value from ``defaults``
     (``GenerationParams()``: 2048 tokens, greedy), as in the engine and the adapters."""
     defaults = defaults or GenerationParams()
     name = model_id(engine)
+    node = node_id or socket.gethostname()
+    drain = drain or Drain()
+    metrics = NodeMetrics(node, engine.residency, engine.store_counters.snapshot, lambda: drain.draining)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -243,14 +299,31 @@ def create_app(
             app.state.unsaved_at_exit = await asyncio.to_thread(engine.close)
 
     app = FastAPI(title="kvshelf", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.drain, app.state.metrics, app.state.node_id = drain, metrics, node
     router = APIRouter()
+
+    def refused_while_draining(aid: AgentId | None) -> JSONResponse | None:
+        """While draining, a 503 with Retry-After for an agent this node does not hold in
+        RAM (or a request naming none), so the balancer sends it to another node; None
+        when the request may be served here."""
+        if not drain.draining:
+            return None
+        if aid is not None and (info := engine.agent(aid)) is not None and info.resident:
+            return None
+        message = f"This kvshelf node ({node}) is draining before it stops; retry (another node will serve it)."
+        return JSONResponse(
+            error_body(message, "server_error", code="draining"), 503, headers={"Retry-After": str(RETRY_AFTER_S)}
+        )
 
     @router.post("/v1/chat/completions", response_model=None)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         check_max_tokens(body, engine.loaded.context_length)
         turn = prepare(body, request.headers.get(AGENT_HEADER), defaults, engine.native_tools)
-        stream = engine.astream(turn.agent_id, turn.messages, **turn.options)
-        assert isinstance(stream, AsyncGenerator)  # astream is an async generator: it can be closed
+        if (refusal := refused_while_draining(turn.agent_id)) is not None:
+            return refusal
+        engine_stream = engine.astream(turn.agent_id, turn.messages, **turn.options)
+        assert isinstance(engine_stream, AsyncGenerator)  # astream is an async generator: it can be closed
+        stream = _observed(engine_stream, metrics)
 
         async def first() -> str | ChatResult:
             return await anext(stream)
@@ -330,10 +403,12 @@ def create_app(
             "files_removed": [Path(p).name for p in removed["files_removed"]],
         }
 
-    @router.post("/v1/agents/{agent_id}/fork")
-    def fork_agent(agent_id: str, body: ForkRequest) -> dict:
+    @router.post("/v1/agents/{agent_id}/fork", response_model=None)
+    def fork_agent(agent_id: str, body: ForkRequest) -> dict | JSONResponse:
         """Start another agent from this one's cache; their whole blocks are shared."""
         src, dst = path_agent_id(agent_id), path_agent_id(body.new_agent)
+        if (refusal := refused_while_draining(None)) is not None:  # a new agent: not while draining
+            return refusal
         info = asdict(engine.fork(src, dst))  # unknown 404, exists or busy 409, same agent 400
         if info["saved"] is None:  # not durable: nothing to say, as in chat
             del info["saved"]
@@ -346,6 +421,8 @@ def create_app(
         With ``background: true`` it is queued at the lowest priority (prefill ahead) and
         answered at once with 202."""
         aid = path_agent_id(agent_id)
+        if (refusal := refused_while_draining(aid)) is not None:
+            return refusal
         turn = prepare(body, None, defaults, engine.native_tools)  # rendered as the agent's next chat will be
         future = engine.prefill_ahead(aid, turn.messages, background=body.background, tools=turn.options.get("tools"))
         if body.background:
@@ -365,15 +442,24 @@ def create_app(
     @app.get("/health", response_model=None)
     def health() -> dict | JSONResponse:
         """200 while the server can keep its promises; 503 once the store directory it
-        owns was deleted or replaced under it (it saves nothing until restarted)."""
+        owns was deleted or replaced under it (it saves nothing until restarted), and
+        from the moment it starts draining (a balancer then takes it out of its pool)."""
+        if drain.draining:
+            return JSONResponse({"status": "draining", "model": name, "node": node}, 503)
         if owner is not None and not owner.intact():
             reason = f"the store directory {owner.directory} was deleted or replaced; restart the server"
-            return JSONResponse({"status": "unhealthy", "model": name, "reason": reason}, 503)
-        return {"status": "ok", "model": name}
+            return JSONResponse({"status": "unhealthy", "model": name, "node": node, "reason": reason}, 503)
+        return {"status": "ok", "model": name, "node": node}
+
+    @app.get("/metrics")
+    def prometheus_metrics() -> Response:
+        """This node's figures in Prometheus' text format (``kvshelf.serving.metrics``)."""
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
 
     app.include_router(router)
     _install_error_handlers(app)
     app.add_middleware(Guard, api_key=api_key, max_body_bytes=max_body_bytes)
+    app.add_middleware(NodeFront, node_id=node, metrics=metrics)  # added last: the outermost
     return app
 
 
@@ -441,6 +527,7 @@ def serve(
     store: str | None = None,
     shared: bool = False,
     node_id: str | None = None,
+    drain_s: float = DRAIN_S_DEFAULT,
 ) -> int:
     """Load the model and serve until SIGINT/SIGTERM; shutdown flushes pending saves.
 
@@ -460,12 +547,17 @@ def serve(
     as a whole, each write is conditional on what the node last read (``Engine``), and the
     store is only checked to be usable at start (``exclusive.StoreUnusable`` otherwise).
 
+    ``node_id`` is also this node's ``X-KVShelf-Node`` (default ``<hostname>:<port>``). SIGTERM
+    drains the node for ``drain_s`` seconds first (``kvshelf.serving.drain``).
+
     Returns the exit status: 0 once everything is on disk, ``EXIT_UNSAVED`` when some
     agents' latest turns could not be saved (they are named in an error logged at
     exit). A signal that stops the server is not an error, so a supervisor (systemd,
     Kubernetes) sees a clean stop as one.
     """
     import uvicorn
+
+    from kvshelf.serving.drain import DrainingServer
 
     if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
         log.warning("serving on %s without an API key: anyone who can reach it can read and erase agents", host)
@@ -490,9 +582,12 @@ def serve(
     if held is not None:
         assert engine.store_dir.resolve() == held.directory, (engine.store_dir, held.directory)
         engine.guard_store(held.check)
-    app = create_app(engine, api_key=api_key, owner=held)
+    drain = Drain()
+    node = node_id or f"{socket.gethostname()}:{port}"
+    app = create_app(engine, api_key=api_key, owner=held, node_id=node, drain=drain)
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=10)
     with _stop_signals_are_requests():
-        uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=10)
+        DrainingServer(config, drain, drain_s).run()
     return exit_status(getattr(app.state, "unsaved_at_exit", []))
 
 

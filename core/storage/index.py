@@ -191,6 +191,13 @@ class AgentIndex:
         self._ready.wait()
         return int(self._run(lambda db: db.execute("SELECT count(*) FROM records").fetchone()[0], default=0))
 
+    def totals(self) -> tuple[int, int]:
+        """How many records the index holds and their bytes: one aggregate query, for ``/metrics``."""
+        self._ready.wait()
+        sql = "SELECT count(*), coalesce(sum(size), 0) FROM records"
+        count, size = self._run(lambda db: db.execute(sql).fetchone(), default=(0, 0))
+        return int(count), int(size)
+
     def close(self) -> None:
         self._closed = True
         self._reconciler.join()

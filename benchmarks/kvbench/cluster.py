@@ -1,0 +1,399 @@
+"""Many machines, one shelf (issue 20): ``kvshelf serve`` nodes behind HAProxy over one shared store.
+
+Everything side by side in one run, on real node processes and the shipped
+``deploy/haproxy.cfg`` (ports replaced), on one machine:
+
+1. **Scaling**: one node pinned to one core (``taskset``) against two nodes pinned to
+   one core each behind HAProxy, as aggregate completion tokens/s while 8 agents (one
+   client thread each) take their turns. Goal: at least 1.8x.
+2. **Affinity against round robin** over the shared store (two nodes): the cached share
+   of the prompt tokens and the median TTFT. Affinity serves from RAM (hot), round robin
+   from the store (warm): both warm, the store costs the difference.
+3. **Failover**: an agent with a ~2K-token history lives on one node; that node is
+   killed (``kill -9``) while other agents keep talking. Measured: the time from the kill
+   to the moved agent's first answered turn (goal: at most 3 s), and that turn's TTFT,
+   restored from the store, against the same agent's cold TTFT (goal: at least 10x faster).
+4. **Nothing lost**: every turn a client was answered is still in the agent's record
+   afterwards (its next turn finds it cached), and no 5xx reached a client except for
+   requests in flight on the killed node.
+
+The floor for a moved agent's restore is its record's bytes over the store's read
+bandwidth (a local directory here): both are reported.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+TITLE = "Cluster: nodes behind HAProxy over one shared store"
+_ROOT = Path(__file__).resolve().parent.parent.parent
+
+
+@dataclass(frozen=True)
+class Size:
+    agents: int = 8  # scaling and routing: agents talking at once
+    scaling_turns: int = 4  # timed turns per agent
+    scaling_tokens: int = 32  # completion tokens per turn
+    history_tokens: int = 300  # each agent's opening context
+    routing_turns: int = 3  # timed turns per agent, one request at a time
+    failover_tokens: int = 2000  # the moved agent's history
+    load_agents: int = 3  # agents talking while a node is killed
+    load_seconds: float = 8.0  # how long they go on after the kill
+
+
+SIZES = {
+    "small": Size(agents=8, scaling_turns=2, scaling_tokens=24, routing_turns=2, load_seconds=6.0),
+    "default": Size(),
+    "full": Size(scaling_turns=8, scaling_tokens=48, routing_turns=6, load_agents=6, load_seconds=20.0),
+}
+
+
+def _support() -> Any:
+    if str(_ROOT) not in sys.path:
+        sys.path.insert(0, str(_ROOT))
+    from tests.support import cluster
+
+    return cluster
+
+
+def _text(words: int, salt: str) -> str:
+    from kvbench.common import offline_text
+
+    base = offline_text().split()
+    out: list[str] = []
+    while len(out) < words:
+        out += base
+    return f"[{salt}] " + " ".join(out[:words])
+
+
+def _shared_flags() -> bool:
+    """Whether this checkout's ``kvshelf serve`` has a shared store (``--shared``)."""
+    out = subprocess.run(
+        [sys.executable, "-m", "kvshelf.cli", "serve", "--help"], capture_output=True, text=True, cwd=_ROOT
+    )
+    return "--shared" in out.stdout
+
+
+class Agent:
+    """One agent's conversation, sent with httpx (no retries: every status is seen)."""
+
+    def __init__(self, name: str, history_words: int, max_tokens: int) -> None:
+        self.name, self.max_tokens = name, max_tokens
+        self.messages: list[dict] = [
+            {"role": "system", "content": f"You are {name}. Background:\n" + _text(history_words, name)},
+            {"role": "user", "content": "Tell me a long story about the text above."},
+        ]
+        self.acked: list[dict] = []  # the usage of every turn answered with a 200
+
+    def body(self) -> dict:
+        return {"model": "kvshelf", "messages": self.messages, "max_tokens": self.max_tokens, "temperature": 0}
+
+    def turn(self, http: Any, url: str) -> tuple[int, dict | None, str | None, float, float]:
+        """(status, the answer's JSON, the node that answered, start, end)."""
+        start = time.monotonic()
+        r = http.post(url + "/v1/chat/completions", json=self.body(), headers={"X-Agent-Id": self.name})
+        end = time.monotonic()
+        if r.status_code != 200:
+            return r.status_code, None, r.headers.get("x-kvshelf-node"), start, end
+        data = r.json()
+        self.acked.append({**data["usage"], **data["kvshelf"]})
+        self.messages = [
+            *self.messages,
+            {"role": "assistant", "content": data["choices"][0]["message"]["content"]},
+            {"role": "user", "content": "Go on."},
+        ]
+        return 200, data, r.headers.get("x-kvshelf-node"), start, end
+
+
+def _client() -> Any:
+    import httpx
+
+    return httpx.Client(timeout=600)
+
+
+class Cluster:
+    """Nodes (and HAProxy in front of more than one) for one configuration; a context manager."""
+
+    def __init__(
+        self,
+        model: str,
+        work: Path,
+        count: int,
+        *,
+        shared: bool,
+        pinned: bool = False,
+        round_robin: bool = False,
+    ) -> None:
+        support = _support()
+        work.mkdir(parents=True, exist_ok=True)
+        store = work / "store"
+        self.nodes = []
+        for i in range(count):
+            own = store if shared else work / f"store{i}"
+            prefix = ("taskset", "-c", str(i % (os.cpu_count() or 1))) if pinned else ()
+            node = support.Node(
+                f"node{i + 1}", model, own, work, ("--drain-seconds", "0"), prefix=prefix, shared=shared
+            )
+            self.nodes.append(node)
+        for node in self.nodes:
+            node.start()
+        for node in self.nodes:
+            node.wait_up()
+        self.balancer = None
+        if count > 1:
+            self.balancer = support.HAProxy(self.nodes, work, round_robin=round_robin)
+            self.balancer.wait_for({n: "UP" for n in self.balancer.names})
+        self.url = self.balancer.url if self.balancer else self.nodes[0].url
+
+    def node_of(self, header: str | None) -> Any:
+        """The node an ``X-KVShelf-Node`` header names (its --node-id, or host:port)."""
+        return next(n for n in self.nodes if header == n.name or str(header).endswith(f":{n.port}"))
+
+    def __enter__(self) -> Cluster:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.balancer:
+            self.balancer.stop()
+        for node in self.nodes:
+            node.stop()
+
+
+def scaling(model: str, work: Path, size: Size, shared: bool) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = []
+    for count in (1, 2):
+        with Cluster(model, work / f"scaling-{count}", count, shared=shared and count > 1, pinned=True) as cluster:
+            agents = [
+                Agent(f"scale-{i}", size.history_tokens * 3 // 4, size.scaling_tokens) for i in range(size.agents)
+            ]
+            with _client() as http, ThreadPoolExecutor(len(agents)) as pool:
+                list(pool.map(lambda a: a.turn(http, cluster.url), agents))  # cold openings: not timed
+                t = time.perf_counter()
+
+                def talk(agent: Agent) -> int:
+                    for _ in range(size.scaling_turns):
+                        status, *_ = agent.turn(http, cluster.url)
+                        assert status == 200, status
+                    return sum(u["completion_tokens"] for u in agent.acked[1:])
+
+                tokens = sum(pool.map(talk, agents))
+                wall = time.perf_counter() - t
+            rows.append(
+                {
+                    "part": "scaling",
+                    "config": "1 node, 1 core" if count == 1 else f"{count} nodes, 1 core each (HAProxy)",
+                    "tokens": tokens,
+                    "wall_s": round(wall, 2),
+                    "tokens_per_s": round(tokens / wall, 2),
+                }
+            )
+    rows[1]["speedup"] = round(rows[1]["tokens_per_s"] / rows[0]["tokens_per_s"], 2)
+    return rows
+
+
+def routing(model: str, work: Path, size: Size) -> list[dict]:
+    rows = []
+    for round_robin in (False, True):
+        name = "round robin" if round_robin else "affinity (hash on X-Agent-Id)"
+        with Cluster(model, work / f"routing-{int(round_robin)}", 2, shared=True, round_robin=round_robin) as cluster:
+            # an odd count: taken in turn over 2 nodes, each agent then changes node every round
+            count = size.agents | 1
+            agents = [Agent(f"route-{i}", size.history_tokens * 3 // 4, 8) for i in range(count)]
+            timed: list[dict] = []
+            with _client() as http:
+                for a in agents:
+                    assert a.turn(http, cluster.url)[0] == 200  # cold opening
+                for _ in range(size.routing_turns):
+                    for a in agents:  # one request at a time: TTFT without contention
+                        status, data, *_ = a.turn(http, cluster.url)
+                        assert status == 200 and data is not None, status
+                        timed.append(a.acked[-1])
+            prompt = sum(u["prompt_tokens"] for u in timed)
+            cached = sum(u["prompt_tokens_details"]["cached_tokens"] for u in timed)
+            sources = {s: sum(u["cache"] == s for u in timed) for s in ("hot", "warm", "cold")}
+            rows.append(
+                {
+                    "part": "routing",
+                    "config": name,
+                    "turns": len(timed),
+                    "cached_token_ratio": round(cached / prompt, 4),
+                    "median_ttft_s": round(statistics.median(u["ttft_s"] for u in timed), 4),
+                    **{f"{s}_turns": n for s, n in sources.items()},
+                }
+            )
+    return rows
+
+
+def failover(model: str, work: Path, size: Size) -> list[dict]:
+    with Cluster(model, work / "failover", 2, shared=True) as cluster, _client() as http:
+        mover = Agent("mover", int(size.failover_tokens * 0.75), 8)
+        status, data, header, *_ = mover.turn(http, cluster.url)
+        assert status == 200 and data is not None, status
+        cold = mover.acked[-1]
+        victim = cluster.node_of(header)
+        record = next((work / "failover" / "store").rglob("mover.safetensors"))
+        record_bytes, read_bps = record.stat().st_size, _cold_read_bandwidth(record)
+        talkers = [Agent(f"load-{i}", 150, 8) for i in range(size.load_agents)]
+        for a in talkers:
+            assert a.turn(http, cluster.url)[0] == 200
+        outcomes: list[tuple[str, int, str | None, float, float]] = []
+        stop = threading.Event()
+
+        def talk(agent: Agent) -> None:
+            while not stop.is_set():
+                status, _, node, start, end = agent.turn(http, cluster.url)
+                outcomes.append((agent.name, status, node, start, end))
+
+        threads = [threading.Thread(target=talk, args=(a,)) for a in talkers]
+        for t in threads:
+            t.start()
+        time.sleep(1.0)
+        homes = {name: cluster.node_of(node).name for name, _, node, _, _ in list(outcomes) if node}
+        killed_at = time.monotonic()
+        assert victim.proc is not None
+        victim.proc.send_signal(signal.SIGKILL)
+        import openai
+
+        client: Any = openai.OpenAI(base_url=cluster.url + "/v1", api_key="unused", timeout=600)  # default retries
+        raw = client.chat.completions.with_raw_response.create(
+            model="kvshelf",
+            messages=mover.messages,
+            max_tokens=8,
+            temperature=0,
+            extra_headers={"X-Agent-Id": "mover"},
+        )
+        answered_s = time.monotonic() - killed_at
+        moved = raw.parse()
+        moved_ext = moved.model_extra["kvshelf"]
+        time.sleep(max(0.0, size.load_seconds - answered_s))
+        stop.set()
+        for t in threads:
+            t.join()
+        # 4: every acknowledged turn is still there: each agent's next turn finds it cached
+        lost = 0
+        for a in talkers:
+            last = a.acked[-1]
+            status, _, _, _, _ = a.turn(http, cluster.url)
+            assert status == 200, status
+            if a.acked[-1]["prompt_tokens_details"]["cached_tokens"] < last["prompt_tokens"]:
+                lost += 1
+        fives = [o for o in outcomes if o[1] >= 500]
+        in_flight = [o for o in fives if homes.get(o[0]) == victim.name and o[3] <= killed_at <= o[4] + 0.001]
+        moved_node = raw.headers.get("x-kvshelf-node")
+        return [
+            {
+                "part": "failover",
+                "config": f"kill -9 {victim.name}, {size.load_agents} agents talking",
+                "kill_to_answer_s": round(answered_s, 3),
+                "moved_to": moved_node,
+                "moved_cache": moved_ext["cache"],
+                "moved_cached_tokens": moved.usage.prompt_tokens_details.cached_tokens,
+                "moved_ttft_s": moved_ext["ttft_s"],
+                "cold_ttft_s": cold["ttft_s"],
+                "cold_prompt_tokens": cold["prompt_tokens"],
+                "ttft_cold_over_moved": round(cold["ttft_s"] / moved_ext["ttft_s"], 1),
+                "record_bytes": record_bytes,
+                "store_read_MBps": round(read_bps / 1e6, 1),
+                "restore_floor_s": round(record_bytes / read_bps, 4),
+                "turns_during": len(outcomes),
+                "acked_turns_lost": lost,
+                "5xx_total": len(fives),
+                "5xx_outside_killed_in_flight": len(fives) - len(in_flight),
+            }
+        ]
+
+
+def _cold_read_bandwidth(path: Path) -> float:
+    """Bytes/s of reading ``path`` from the disk, out of the page cache (the store's floor)."""
+    from kvbench.common import drop_from_page_cache
+
+    drop_from_page_cache(path)
+    t = time.perf_counter()
+    size = len(path.read_bytes())
+    return size / max(time.perf_counter() - t, 1e-9)
+
+
+def measure(model: str, work: Path, size_name: str = "default") -> dict:
+    size = SIZES[size_name]
+    shared = _shared_flags()
+    rows = scaling(model, work, size, shared)
+    if shared:
+        rows += routing(model, work, size)
+        rows += failover(model, work, size)
+    return {
+        "title": TITLE,
+        "description": (__doc__ or "").strip().split("\n\n")[0],
+        "size": size_name,
+        "sizes": asdict(size),
+        "shared_store": shared,
+        "table": rows,
+        "goals": {"speedup_min": 1.8, "kill_to_answer_s_max": 3.0, "ttft_cold_over_moved_min": 10.0},
+    }
+
+
+def run(ctx: Any) -> dict:
+    size = "small" if ctx.settings.mode == "quick" else "full" if ctx.settings.mode == "full" else "default"
+    return measure(ctx.model, ctx.work_dir / "cluster", size)
+
+
+def headline(result: dict) -> str:
+    rows = {r["part"]: r for r in result["table"] if r["part"] != "routing"}
+    parts = [f"2 nodes give {result['table'][1]['speedup']}x the tokens/s of 1 (goal 1.8x)"]
+    if "failover" in rows:
+        f = rows["failover"]
+        parts.append(
+            f"a killed node's agent is answered {f['kill_to_answer_s']} s after the kill (goal 3 s), "
+            f"{f['ttft_cold_over_moved']}x faster than cold (goal 10x); {f['acked_turns_lost']} turns lost"
+        )
+    return "Cluster: " + "; ".join(parts)
+
+
+def chart(result: dict, path: Path) -> Path | None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result.get("table") or []
+    if not rows:
+        return None
+    panels = [r for r in ("scaling", "routing", "failover") if any(x["part"] == r for x in rows)]
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 4.2))
+    axes = [axes] if len(panels) == 1 else list(axes)
+    for ax, part in zip(axes, panels, strict=True):
+        mine = [r for r in rows if r["part"] == part]
+        if part == "scaling":
+            labels, values, unit = (
+                [r["config"].split(",")[0] for r in mine],
+                [r["tokens_per_s"] for r in mine],
+                "tokens/s",
+            )
+        elif part == "routing":
+            labels = ["affinity" if "affinity" in r["config"] else "round robin" for r in mine]
+            values, unit = [r["median_ttft_s"] for r in mine], "median TTFT (s)"
+        else:
+            labels, values, unit = (
+                ["cold", "moved (restored)"],
+                [mine[0]["cold_ttft_s"], mine[0]["moved_ttft_s"]],
+                "TTFT (s)",
+            )
+        bars = ax.bar(labels, values, color=["#4c72b0", "#dd8452"][: len(values)])
+        ax.bar_label(bars, labels=[f"{v:.3g}" for v in values], fontsize=8)
+        ax.set_title(part)
+        ax.set_ylabel(unit)
+        ax.grid(True, axis="y", alpha=0.3)
+    fig.suptitle(TITLE, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
