@@ -8,7 +8,7 @@ local copy is current (a 304 and a local read on S3) and a load by a node with n
 port: an emulator in Python, so its figures are an upper bound on the client's cost, not
 a measure of any real service. Transfer rates are printed beside the bytes moved.
 
-    /work/bin/kv-bench python benchmarks/shared_store.py [--mb 8] [--repeats 30]
+    python benchmarks/shared_store.py [--mb 8] [--repeats 30]
 """
 
 from __future__ import annotations
@@ -17,9 +17,7 @@ import argparse
 import hashlib
 import json
 import os
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -28,11 +26,15 @@ from collections.abc import Callable
 from pathlib import Path
 
 import mlx.core as mx
-from common import write_json
 
-from kvshelf.kv.record import CacheRecord
-from kvshelf.storage.location import open_store
-from kvshelf.storage.records import RecordStore
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the emulator harness lives with the tests
+
+from common import write_json  # noqa: E402
+
+from kvshelf.kv.record import CacheRecord  # noqa: E402
+from kvshelf.storage.location import open_store  # noqa: E402
+from kvshelf.storage.records import RecordStore  # noqa: E402
+from tests.support.s3 import moto_server  # noqa: E402
 
 FINGERPRINT = hashlib.sha256(b"shared-store-bench").hexdigest()
 
@@ -80,22 +82,7 @@ def main() -> None:
             return open_store(root / "dir", FINGERPRINT, shared=True, node_id=name)
 
         out["directory"] = measure(directory("a"), directory, record, args.repeats)
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        server = subprocess.Popen(
-            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        try:
-            endpoint = f"http://127.0.0.1:{port}"
-            for _ in range(600):
-                try:
-                    urllib.request.urlopen(endpoint, timeout=1).read()
-                    break
-                except OSError:
-                    time.sleep(0.1)
+        with moto_server() as endpoint:
             os.environ.update(
                 AWS_ENDPOINT_URL=endpoint,
                 AWS_ALLOW_HTTP="true",
@@ -109,9 +96,6 @@ def main() -> None:
                 return open_store("s3://bench/p", FINGERPRINT, shared=True, node_id=name, cache_dir=root / name)
 
             out["s3_emulator"] = measure(bucket("a"), bucket, record, args.repeats)
-        finally:
-            server.terminate()
-            server.wait(timeout=30)
     out["loadavg_start"], out["loadavg_end"] = [round(x, 2) for x in load_start], [round(x, 2) for x in os.getloadavg()]
     print(json.dumps(out, indent=1))
     print(write_json("shared_store", out))

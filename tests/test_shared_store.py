@@ -258,23 +258,10 @@ def test_a_paused_node_blocks_no_one_and_comes_back_to_the_newer_record(tiny_dir
 
 
 # -- kvshelf serve --shared -------------------------------------------------------------------------
-def start_node(model: Path, store: str, *extra: str) -> tuple[subprocess.Popen, str]:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    command = [sys.executable, "-m", "kvshelf.cli", "serve", "--model", str(model), "--store", store, *extra]
-    proc = subprocess.Popen(
-        [*command, "--port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO_ROOT
-    )
-    return proc, f"http://127.0.0.1:{port}"
-
-
 def test_shared_servers_serve_one_store_and_an_unshared_one_still_stands_alone(tiny_dirs, tmp_path) -> None:
     import httpx
 
-    from tests.support.servers import wait_up
+    from tests.support.servers import start_node, turn_here_then_there, wait_up
 
     model = tiny_dirs["llama"]
     nodes = [start_node(model, f"file://{tmp_path}", "--shared", "--node-id", name) for name in ("a", "b")]
@@ -282,13 +269,7 @@ def test_shared_servers_serve_one_store_and_an_unshared_one_still_stands_alone(t
         for proc, url in nodes:
             wait_up(proc, url)
         (_, a), (_, b) = nodes
-        messages = [{"role": "user", "content": "Note: the meeting moved to Friday. " * 4}]
-        body = {"model": "x", "messages": messages, "max_tokens": 4}
-        first = httpx.post(a + "/v1/chat/completions", json=body, headers={"X-Agent-Id": "fay"}, timeout=60).json()
-        assert first["kvshelf"]["saved"] is True
-        reply = first["choices"][0]["message"]["content"]
-        body["messages"] = [*messages, {"role": "assistant", "content": reply}, {"role": "user", "content": "When?"}]
-        second = httpx.post(b + "/v1/chat/completions", json=body, headers={"X-Agent-Id": "fay"}, timeout=60).json()
+        _, second = turn_here_then_there(a, b, "fay", "Note: the meeting moved to Friday. ")
         assert second["kvshelf"]["saved"] is True and second["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
         assert httpx.delete(a + "/v1/agents/fay", timeout=30).status_code == 200  # a's copy is stale: deleted anyway
         assert httpx.get(b + "/v1/agents/fay", timeout=30).status_code == 404
@@ -302,9 +283,9 @@ def test_shared_servers_serve_one_store_and_an_unshared_one_still_stands_alone(t
     alone, url = start_node(model, str(tmp_path))
     try:
         wait_up(alone, url)
-        second, _ = start_node(model, str(tmp_path))  # unshared: refused, as without --store
-        assert second.wait(timeout=60) == 2
-        assert second.stdout is not None and "already serving" in second.stdout.read()
+        rival, _ = start_node(model, str(tmp_path))  # unshared: refused, as without --store
+        assert rival.wait(timeout=60) == 2
+        assert rival.stdout is not None and "already serving" in rival.stdout.read()
     finally:
         alone.send_signal(signal.SIGTERM)
         alone.wait(timeout=60)

@@ -18,10 +18,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import socket
-import subprocess
-import sys
-import time
 import urllib.request
 import uuid
 from collections.abc import Callable, Iterator
@@ -34,6 +30,7 @@ from kvshelf.storage import codec
 from kvshelf.storage.location import open_store
 from kvshelf.storage.records import RecordStore
 from kvshelf.storage.remote import RemoteRecordStore
+from tests.support.s3 import moto_server
 from tests.test_store import FINGERPRINT, assert_same_record, make_record
 
 HAS_MOTO = importlib.util.find_spec("moto") is not None and importlib.util.find_spec("obstore") is not None
@@ -44,27 +41,8 @@ def moto_endpoint() -> Iterator[str]:
     """moto's standalone S3 server, started once for the session on a free port."""
     if not HAS_MOTO:
         pytest.skip("moto[server] or obstore is not installed (pip install -e '.[dev]'): no S3 server to test against")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = subprocess.Popen(
-        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while True:
-        assert server.poll() is None, "moto's server exited at start"
-        try:
-            urllib.request.urlopen(url, timeout=1).read()
-            break
-        except OSError:
-            assert time.monotonic() < deadline, "moto's server did not come up"
-            time.sleep(0.1)
-    yield url
-    server.terminate()
-    server.wait(timeout=30)
+    with moto_server() as url:
+        yield url
 
 
 def s3_env(monkeypatch: pytest.MonkeyPatch, endpoint: str) -> str:
@@ -287,8 +265,7 @@ def test_kvshelf_serve_nodes_on_a_bucket(tiny_dirs, tmp_path, monkeypatch, moto_
 
     import httpx
 
-    from tests.support.servers import wait_up
-    from tests.test_shared_store import start_node
+    from tests.support.servers import start_node, turn_here_then_there, wait_up
 
     url = f"s3://{s3_env(monkeypatch, moto_endpoint)}/team"
     nodes = [
@@ -299,13 +276,7 @@ def test_kvshelf_serve_nodes_on_a_bucket(tiny_dirs, tmp_path, monkeypatch, moto_
         for proc, base in nodes:
             wait_up(proc, base)
         (_, a), (_, b) = nodes
-        messages = [{"role": "user", "content": "Keep this: the launch is on Monday. " * 4}]
-        body = {"model": "x", "messages": messages, "max_tokens": 4}
-        first = httpx.post(a + "/v1/chat/completions", json=body, headers={"X-Agent-Id": "kai"}, timeout=60).json()
-        assert first["kvshelf"]["saved"] is True
-        reply = first["choices"][0]["message"]["content"]
-        body["messages"] = [*messages, {"role": "assistant", "content": reply}, {"role": "user", "content": "When?"}]
-        second = httpx.post(b + "/v1/chat/completions", json=body, headers={"X-Agent-Id": "kai"}, timeout=60).json()
+        _, second = turn_here_then_there(a, b, "kai", "Keep this: the launch is on Monday. ")
         assert second["kvshelf"]["cache"] == "warm" and second["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
         listed = httpx.get(a + "/v1/agents", timeout=30).json()["data"]
         assert [entry["id"] for entry in listed] == ["kai"] and listed[0]["disk_bytes"] > 0

@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import socket
 import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import uvicorn
+
+from tests.support import REPO_ROOT
 
 
 class ServerThread:
@@ -43,3 +47,30 @@ def wait_up(proc: subprocess.Popen, url: str, timeout: float = 60) -> None:
                 return
         except httpx.TransportError:
             time.sleep(0.1)
+
+
+def start_node(model: Path, store: str, *extra: str) -> tuple[subprocess.Popen, str]:
+    """A ``kvshelf serve`` subprocess on a free port over ``store`` (a path or URL); (process, base URL)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    command = [sys.executable, "-m", "kvshelf.cli", "serve", "--model", str(model), "--store", store, *extra]
+    proc = subprocess.Popen(
+        [*command, "--port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO_ROOT
+    )
+    return proc, f"http://127.0.0.1:{port}"
+
+
+def turn_here_then_there(a: str, b: str, agent: str, note: str) -> tuple[dict, dict]:
+    """One agent's first turn on node ``a`` and its second on node ``b``: both replies' JSON.
+
+    The first must have been saved (else ``b`` could not see it); the caller asserts what the
+    second says about the cache."""
+    messages = [{"role": "user", "content": note * 4}]
+    body = {"model": "x", "messages": messages, "max_tokens": 4}
+    first = httpx.post(a + "/v1/chat/completions", json=body, headers={"X-Agent-Id": agent}, timeout=60).json()
+    assert first["kvshelf"]["saved"] is True
+    reply = first["choices"][0]["message"]["content"]
+    body["messages"] = [*messages, {"role": "assistant", "content": reply}, {"role": "user", "content": "When?"}]
+    second = httpx.post(b + "/v1/chat/completions", json=body, headers={"X-Agent-Id": agent}, timeout=60).json()
+    return first, second
