@@ -31,6 +31,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64, help="per reply, plus --tokens-per-field per field")
     parser.add_argument("--tokens-per-field", type=int, default=32)
     parser.add_argument("--kinds", default="tool,json", help="tool, json or both (a run split in two)")
+    parser.add_argument("--modes", default="free,constrained", help="free, constrained or both (a run split in two)")
     parser.add_argument("--fields", default="", help="schema sizes to run, e.g. 14,20 (overrides --schemas)")
     parser.add_argument("--model", default="embedded")
     args = parser.parse_args()
@@ -40,6 +41,7 @@ def main() -> None:
         structured_max_tokens=args.max_tokens,
         structured_tokens_per_field=args.tokens_per_field,
         structured_kinds=tuple(k for k in args.kinds.split(",") if k),
+        structured_modes=tuple(m for m in args.modes.split(",") if m),
         structured_fields=tuple(int(k) for k in args.fields.split(",") if k),
     )
     out = Path(__file__).parent / "results" / f"structured-{time.strftime('%Y%m%d-%H%M%S')}"

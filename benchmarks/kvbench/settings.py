@@ -80,6 +80,7 @@ class Settings:
     structured_schemas: int = 20
     structured_fields: tuple[int, ...] = ()
     structured_kinds: tuple[str, ...] = ("tool", "json")
+    structured_modes: tuple[str, ...] = ("free", "constrained")  # one alone: a run split in two
     structured_max_tokens: int = 64
     structured_tokens_per_field: int = 32
     seed: int = 0

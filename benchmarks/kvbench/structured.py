@@ -229,6 +229,8 @@ def run(ctx: BenchContext) -> dict:
             "max_tokens": s.structured_max_tokens + s.structured_tokens_per_field * case["fields"],
         }
         for constrained in (False, True):
+            if ("constrained" if constrained else "free") not in s.structured_modes:
+                continue  # a run split by mode (validity is the same either way: greedy, one agent per case)
             plan = plan_output(
                 ask.get("tools"),
                 ask.get("tool_choice"),
@@ -258,14 +260,7 @@ def run(ctx: BenchContext) -> dict:
                 row["reply"] = content if case["kind"] == "json" else [c.to_openai() for c in calls]
             else:
                 row["free_reply"] = (plan.opening + r.text)[:300]
-        print(
-            f"  structured {case['kind']:4s} {case['fields']:2d} fields: valid free {row['free_valid']!s:5s} "
-            f"constrained {row['constrained_valid']!s:5s} ({row['constrained_tokens']}/{row['max_tokens']} tokens, "
-            f"{row['constrained_finish']})  ms/token {row['free_ms_per_token'] or 0:.1f} vs "
-            f"{row['constrained_ms_per_token'] or 0:.1f}, mask {row['mask_compute_ms'] or 0:.2f} + "
-            f"{row['mask_apply_ms'] or 0:.2f} ms",
-            flush=True,
-        )
+        print(_line(row), flush=True)
         rows.append(row)
         with open(ctx.out_dir / "structured-rows.jsonl", "a") as log:  # a run cut short keeps its rows
             log.write(json.dumps(row, default=str) + "\n")
@@ -295,6 +290,27 @@ def run(ctx: BenchContext) -> dict:
     }
 
 
+def _line(row: dict[str, Any]) -> str:
+    """One case's figures as printed during the run (a mode left out shows as -)."""
+    text = f"  structured {row['kind']:4s} {row['fields']:2d} fields:"
+    for key in ("free", "constrained"):
+        if f"{key}_valid" in row:
+            text += (
+                f" {key} valid {row[f'{key}_valid']!s:5s} ({row[f'{key}_tokens']}/{row['max_tokens']} tokens, "
+                f"{row[f'{key}_finish']}, {row[f'{key}_ms_per_token'] or 0:.1f} ms/token)"
+            )
+        else:
+            text += f" {key} -"
+    if "mask_apply_ms" in row:
+        text += f", mask {row['mask_compute_ms'] or 0:.2f} + {row['mask_apply_ms'] or 0:.2f} ms"
+    return text
+
+
+def _share(rows: list[dict[str, Any]], key: str) -> float | None:
+    sel = [r[key] for r in rows if key in r]
+    return sum(sel) / len(sel) if sel else None
+
+
 def _median(values: list[float | None]) -> float | None:
     vals = [v for v in values if v is not None]
     return statistics.median(vals) if vals else None
@@ -306,20 +322,20 @@ def _summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         sel = [r for r in rows if kind == "all" or r["kind"] == kind]
         if not sel:
             continue
-        free_ms = _median([r["free_ms_per_token"] for r in sel])
-        cons_ms = _median([r["constrained_ms_per_token"] for r in sel])
-        apply_ms = _median([r["mask_apply_ms"] for r in sel])
+        free_ms = _median([r.get("free_ms_per_token") for r in sel])
+        cons_ms = _median([r.get("constrained_ms_per_token") for r in sel])
+        apply_ms = _median([r.get("mask_apply_ms") for r in sel])
         out.append(
             {
                 "schemas": f"{kind} ({len(sel)})",
-                "valid_free": sum(r["free_valid"] for r in sel) / len(sel),
-                "valid_constrained": sum(r["constrained_valid"] for r in sel) / len(sel),
-                "constrained_cut_by_max_tokens": sum(r["constrained_finish"] == "length" for r in sel),
+                "valid_free": _share(sel, "free_valid"),
+                "valid_constrained": _share(sel, "constrained_valid"),
+                "constrained_cut_by_max_tokens": sum(r.get("constrained_finish") == "length" for r in sel),
                 "free_ms_per_token": free_ms,
                 "constrained_ms_per_token": cons_ms,
                 "constrained_over_free": cons_ms / free_ms if cons_ms and free_ms else None,
-                "mask_compute_ms": _median([r["mask_compute_ms"] for r in sel]),
-                "mask_compute_max_ms": max((r["mask_compute_max_ms"] or 0) for r in sel),
+                "mask_compute_ms": _median([r.get("mask_compute_ms") for r in sel]),
+                "mask_compute_max_ms": max((r.get("mask_compute_max_ms") or 0) for r in sel),
                 "mask_apply_ms": apply_ms,
                 "apply_share_of_step": apply_ms / free_ms if apply_ms and free_ms else None,
             }
@@ -329,7 +345,7 @@ def _summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def chart(result: dict, path: Path) -> Path | None:
     summary = [r for r in result.get("summary", []) if not r["schemas"].startswith("all")]
-    if not summary:
+    if not summary or any(r["valid_free"] is None or r["valid_constrained"] is None for r in summary):
         return None
     return bars(
         path,
@@ -345,8 +361,8 @@ def chart(result: dict, path: Path) -> Path | None:
 
 def headline(result: dict) -> str | None:
     every = next((r for r in result.get("summary", []) if r["schemas"].startswith("all")), None)
-    if every is None:
-        return None
+    if every is None or every["valid_free"] is None or every["valid_constrained"] is None:
+        return None  # a run of one mode: its rows say it
     ratio = every["constrained_over_free"]
     share = every["apply_share_of_step"]
     return (
