@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import queue
+import threading
 from collections.abc import AsyncGenerator, Callable, Generator, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import replace
@@ -32,6 +33,7 @@ from kvshelf.paths import default_cache_dir
 from kvshelf.runtime.boundaries import message_boundaries
 from kvshelf.runtime.events import Event, Failed, Finished, Prefilled, Text
 from kvshelf.runtime.params import GenerationParams
+from kvshelf.runtime.repetition import Breakers, DryPenalty
 from kvshelf.runtime.results import (  # noqa: F401  (re-exported)
     AgentInfo,
     AgentPage,
@@ -116,6 +118,8 @@ class Engine:
         )
         self._closed = False
         self._vocabulary = Vocabulary(self.loaded.tokenizer)  # built on the first constrained request
+        self._breakers: dict[tuple[str, ...], Breakers] = {}  # DRY's breaker tokens, per breaker strings
+        self._breakers_lock = threading.Lock()
         self._scheduler = Scheduler(self.loaded, self._shelf, prefill_chunk=prefill_chunk)
 
     @property
@@ -425,6 +429,7 @@ class Engine:
             logit_bias=dict(params.logit_bias),
             frequency_penalty=params.frequency_penalty,
             presence_penalty=params.presence_penalty,
+            dry=self._dry(params, prompt),
         )
         max_tokens = min(params.max_tokens, self.loaded.context_length - len(prompt))
         constraint = TokenConstraint(grammar, self._vocabulary) if grammar is not None else None
@@ -439,6 +444,28 @@ class Engine:
             boundaries=boundaries,
             constraint=constraint,
         )
+
+    def _dry(self, params: GenerationParams, prompt: list[int]) -> DryPenalty | None:
+        """The request's DRY penalty over its prompt, or None where it is off."""
+        if not params.dry_multiplier:
+            return None
+        return DryPenalty(
+            prompt,
+            multiplier=params.dry_multiplier,
+            base=params.dry_base,
+            allowed_length=params.dry_allowed_length,
+            penalty_last_n=params.dry_penalty_last_n,
+            breakers=self._breaker_tokens(params.dry_sequence_breakers),
+        )
+
+    def _breaker_tokens(self, strings: tuple[str, ...]) -> Breakers:
+        """The tokens whose text holds one of ``strings`` (special tokens as written), one
+        set per engine and breaker strings, shared by the requests."""
+        with self._breakers_lock:
+            if strings not in self._breakers:
+                tok = self.loaded.tokenizer.tokenizer
+                self._breakers[strings] = Breakers(lambda t: tok.decode([t], skip_special_tokens=False), strings)
+            return self._breakers[strings]
 
     @property
     def native_tools(self) -> ToolParser | None:

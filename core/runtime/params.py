@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from kvshelf.runtime.repetition import DEFAULT_BREAKERS
+
 # OpenAI's own default is "until the context is full", which is minutes of CPU for a
 # small model that loops; 2048 tokens is more than any agent turn we have seen.
 DEFAULT_MAX_TOKENS = 2048
@@ -29,6 +31,13 @@ class GenerationParams:
     ``presence_penalty`` (-2..2) adjust the logits before each choice, as OpenAI
     defines them (see ``kvshelf.runtime.sampling``); a dict given for ``logit_bias`` is
     kept as sorted ``(token id, bias)`` pairs, so the params stay hashable.
+
+    ``dry_multiplier`` > 0 turns on DRY, a kvshelf (and llama.cpp) extension with
+    llama.cpp's parameter names: a penalty on the token that would extend a repeat of
+    the context, the prompt included, of ``dry_allowed_length`` tokens or more, growing
+    by ``dry_base`` per token of the repeat, within the last ``dry_penalty_last_n`` tokens
+    (-1: all), never across a ``dry_sequence_breakers`` string (see
+    ``kvshelf.runtime.repetition``). 0 (the default) leaves it off.
     """
 
     max_tokens: int = DEFAULT_MAX_TOKENS
@@ -39,6 +48,11 @@ class GenerationParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
+    dry_multiplier: float = 0.0
+    dry_base: float = 1.75
+    dry_allowed_length: int = 2
+    dry_penalty_last_n: int = -1
+    dry_sequence_breakers: tuple[str, ...] = DEFAULT_BREAKERS
 
     def __post_init__(self) -> None:
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -50,6 +64,19 @@ class GenerationParams:
         for name in ("frequency_penalty", "presence_penalty"):
             if not -2.0 <= float(getattr(self, name)) <= 2.0:
                 raise ValueError(f"{name} must be between -2 and 2")
+        if not 0.0 <= float(self.dry_multiplier) <= 100.0:
+            raise ValueError("dry_multiplier must be between 0 (off) and 100")
+        if not 1.0 <= float(self.dry_base) <= 10.0:
+            raise ValueError("dry_base must be between 1 and 10")
+        for name, least in (("dry_allowed_length", 1), ("dry_penalty_last_n", -1)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ValueError(f"{name} must be an integer of at least {least}")
+        breakers = self.dry_sequence_breakers
+        breakers = (breakers,) if isinstance(breakers, str) else tuple(breakers)
+        if any(not isinstance(b, str) or not b for b in breakers):
+            raise ValueError("dry_sequence_breakers must be non-empty strings")
+        object.__setattr__(self, "dry_sequence_breakers", breakers)
         pairs = self.logit_bias.items() if isinstance(self.logit_bias, Mapping) else self.logit_bias
         bias = tuple(sorted((int(t), float(b)) for t, b in pairs))
         if any(t < 0 or not -100.0 <= b <= 100.0 for t, b in bias):

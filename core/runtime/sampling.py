@@ -4,8 +4,10 @@ Before the choice, OpenAI's logit adjustments are added to the logits, as OpenAI
 defines them: ``logit_bias`` (a fixed amount per token id, -100 bans a token and 100
 all but forces it) and the ``frequency_penalty`` / ``presence_penalty`` of the tokens
 this reply has generated so far (``count * frequency + (count > 0) * presence`` is
-subtracted). Each is one small scatter-add over the few token ids concerned, and a
-request that sets none of them samples exactly as before.
+subtracted). kvshelf adds DRY (``kvshelf.runtime.repetition``), llama.cpp's penalty on
+the token that would extend a repeat of the *context*, prompt included: the one that
+stops a small model from copying what it reads. Each is one small scatter-add over the
+few token ids concerned, and a request that sets none of them samples exactly as before.
 
 A ``seed`` gives each request its own random key, so a seeded request samples the
 same tokens however many other requests ran before or beside it.
@@ -18,6 +20,8 @@ from collections.abc import Mapping
 
 import mlx.core as mx
 
+from kvshelf.runtime.repetition import DryPenalty
+
 
 class Sampler:
     def __init__(
@@ -29,6 +33,7 @@ class Sampler:
         logit_bias: Mapping[int, float] | None = None,
         frequency_penalty: float = 0.0,
         presence_penalty: float = 0.0,
+        dry: DryPenalty | None = None,
     ):
         if not 0 <= temperature < float("inf"):  # also refuses NaN
             raise ValueError("temperature must be a finite number >= 0")
@@ -45,6 +50,7 @@ class Sampler:
         self._bias = (list(bias), list(bias.values())) if bias else None
         self.frequency_penalty, self.presence_penalty = float(frequency_penalty), float(presence_penalty)
         self._counts: Counter[int] | None = Counter() if frequency_penalty or presence_penalty else None
+        self._dry = dry
 
     def __call__(self, logits: mx.array) -> mx.array:
         """``logits``: (vocab,) for one position. Returns a scalar token id array."""
@@ -52,11 +58,13 @@ class Sampler:
         token = self._choose(logits)
         if self._counts is not None:
             self._counts[int(token)] += 1
+        if self._dry is not None:
+            self._dry.append(int(token))
         return token
 
     def _adjusted(self, logits: mx.array) -> mx.array:
         """The logits with logit_bias added and the repetition penalties subtracted."""
-        if self._bias is None and not self._counts:
+        if self._bias is None and not self._counts and self._dry is None:
             return logits
         logits = logits.astype(mx.float32)
         if self._bias is not None:
@@ -67,6 +75,10 @@ class Sampler:
             counts = mx.array([self._counts[i] for i in ids], dtype=mx.float32)
             penalty = self.frequency_penalty * counts + self.presence_penalty
             logits = logits.at[mx.array(ids)].add(-penalty)
+        if self._dry is not None:
+            ids, amounts = self._dry.penalties()
+            if ids:
+                logits = logits.at[mx.array(ids)].add(-mx.array(amounts, dtype=mx.float32))
         return logits
 
     def _choose(self, logits: mx.array) -> mx.array:

@@ -76,6 +76,10 @@ def _agent_id(req: ChatCompletionRequest, header: str | None) -> AgentId | None:
         ) from None
 
 
+DRY_FIELDS = ("dry_multiplier", "dry_base", "dry_allowed_length", "dry_penalty_last_n", "dry_sequence_breakers")
+"""kvshelf's repetition penalty (``GenerationParams``' fields of the same names, llama.cpp's names)."""
+
+
 def prepare(
     req: ChatCompletionRequest,
     header_agent: str | None,
@@ -106,12 +110,17 @@ def prepare(
         "stop": req.stop,
         "seed": req.seed,
     }
-    if req.logit_bias or req.frequency_penalty or req.presence_penalty:  # see kvshelf.runtime.sampling
+    dry: dict[str, Any] = {}
+    for name in DRY_FIELDS:
+        if (value := getattr(req, name)) is not None:
+            dry[name] = tuple(value) if isinstance(value, list) else value
+    if req.logit_bias or req.frequency_penalty or req.presence_penalty or dry:  # see kvshelf.runtime.sampling
         options["params"] = replace(
             defaults,
             logit_bias=tuple((int(t), b) for t, b in (req.logit_bias or {}).items()),
             frequency_penalty=req.frequency_penalty or 0.0,
             presence_penalty=req.presence_penalty or 0.0,
+            **dry,
         )
     if (until := plan.until()) is not None:
         options["until"] = until

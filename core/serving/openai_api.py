@@ -4,7 +4,8 @@ Requests are validated here so that a wrong type, an empty ``messages``, an unkn
 role or an out-of-range number becomes a 400 with an OpenAI-style error object that
 names the offending parameter, never a crash. Every sampling field OpenAI defines is
 honoured (``logit_bias``, ``frequency_penalty``, ``presence_penalty``, ``top_p`` 0 as
-greedy, ``parallel_tool_calls``) or refused with a 400 (``n`` > 1, ``logprobs``,
+greedy, ``parallel_tool_calls``, and kvshelf's own ``dry_*`` repetition penalty with
+llama.cpp's names) or refused with a 400 (``n`` > 1, ``logprobs``,
 ``top_logprobs``); fields that change nothing about the reply (``metadata``, ``store``,
 ``service_tier``, ...) and fields kvshelf does not know are accepted and ignored (the
 README lists them), so that clients and frameworks work unchanged.
@@ -112,6 +113,12 @@ class ChatCompletionRequest(BaseModel):
     frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
     presence_penalty: float | None = Field(default=None, ge=-2, le=2)
     logit_bias: dict[str, float] | None = None
+    # DRY, kvshelf's (and llama.cpp's) penalty on repeating the context: kvshelf.runtime.repetition
+    dry_multiplier: float | None = Field(default=None, ge=0, le=100)
+    dry_base: float | None = Field(default=None, ge=1, le=10)
+    dry_allowed_length: int | None = Field(default=None, ge=1)
+    dry_penalty_last_n: int | None = Field(default=None, ge=-1)
+    dry_sequence_breakers: list[str] | None = None
     seed: int | None = None
     stop: str | list[str] | None = None
     stream: bool = False
@@ -125,6 +132,13 @@ class ChatCompletionRequest(BaseModel):
     n: int = 1
     logprobs: bool | None = None
     top_logprobs: int | None = None
+
+    @field_validator("dry_sequence_breakers")
+    @classmethod
+    def _breakers_not_empty(cls, value: list[str] | None) -> list[str] | None:
+        if value is not None and not all(value):
+            raise ValueError("each of dry_sequence_breakers must be a non-empty string")
+        return value
 
     @field_validator("n")
     @classmethod
