@@ -9,6 +9,12 @@ Side by side, in one run, on the same machine:
    BLAS), stopped with SIGINT after its first reply: that reply's TTFT against run 1's;
 4. Ctrl-C during a cold prefill (OpenBLAS): seconds from SIGINT to exit, and the exit status.
 
+How much the agents copy each other: the share of each speech's word 8-grams that an
+earlier speech of the conversation (run 1, then run 2) already said, over all speeches
+(0: every speech says something new; 1: every speech is a copy), and the speeches that
+are mostly (half or more) copied. ``--share-of RESULT.json`` prints these figures for a
+result written earlier (a run before a change to the demo).
+
 Prints the figures and writes them as JSON (``first-run-<time>.json``). The floor for a
 cold first turn is its prefill FLOPs over the BLAS throughput ``kvshelf doctor`` measures.
 """
@@ -28,6 +34,37 @@ import time
 from pathlib import Path
 
 STATS = re.compile(r"\[(\w+) \| cached (\d+)/(\d+) \| ttft ([\d.]+) s")
+SPEECH = re.compile(r"^  ([A-Z][a-z]+ \([^)]*\)): (.*)$", re.M)  # "  Ada (town planner): ..."
+WORD = re.compile(r"[a-z0-9']+")
+
+
+def speeches(output: str) -> list[str]:
+    """The speeches a demo run printed, in order, each as the user read it (opening included)."""
+    return [m[2] for m in SPEECH.finditer(output)]
+
+
+def repeated_ngrams(said: list[str], n: int = 8) -> dict:
+    """How much of each speech repeats an earlier one: the share of its word ``n``-grams
+    (lowercased words) that an earlier speech holds, over all speeches, and per speech."""
+    seen: set[tuple[str, ...]] = set()
+    total = repeated = 0
+    per_speech = []
+    for text in said:
+        words = WORD.findall(text.lower())
+        grams = [tuple(words[i : i + n]) for i in range(len(words) - n + 1)]
+        old = sum(g in seen for g in grams)
+        total, repeated = total + len(grams), repeated + old
+        per_speech.append(round(old / len(grams), 3) if grams else 0.0)
+        seen.update(grams)
+    return {
+        "n": n,
+        "speeches": len(said),
+        "ngrams": total,
+        "repeated": repeated,
+        "share": round(repeated / total, 3) if total else 0.0,
+        "mostly_copied_speeches": sum(s >= 0.5 for s in per_speech),
+        "per_speech": per_speech,
+    }
 
 
 class Demo:
@@ -71,7 +108,13 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="embedded")
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    ap.add_argument("--share-of", type=Path, help="print the repeated 8-gram figures of an earlier result and exit")
     args = ap.parse_args()
+    if args.share_of is not None:
+        earlier = json.loads(args.share_of.read_text())
+        said = speeches(earlier["first_run"]["output"]) + speeches(earlier["second_run"]["output"])
+        print(json.dumps(repeated_ngrams(said)))
+        return 0
     work = Path(tempfile.mkdtemp(prefix="kvshelf-first-run-"))
     load = {"start": open("/proc/loadavg").read().split()[:3]}
     common = ["--model", args.model]
@@ -111,6 +154,7 @@ def main() -> int:
         "second_run": second,
         "no_openblas_first_reply": no_openblas,
         "ctrl_c_in_cold_prefill": ctrl_c,
+        "repeated_8grams": repeated_ngrams(speeches(first["output"]) + speeches(second["output"])),
     }
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"first-run-{time.strftime('%Y%m%d-%H%M%S')}.json"
@@ -124,6 +168,11 @@ def main() -> int:
     fast_ttft = first["replies"][0]["ttft_s"] if first["replies"] else None
     print(f"first reply TTFT: OpenBLAS {fast_ttft} s, reference BLAS {slow_ttft} s")
     print(f"Ctrl-C in a cold prefill: {ctrl_c}")
+    copied = result["repeated_8grams"]
+    print(
+        f"repeated 8-grams across the {copied['speeches']} speeches: {copied['repeated']}/{copied['ngrams']} "
+        f"({copied['share']:.1%}); speeches mostly copied: {copied['mostly_copied_speeches']}"
+    )
     print(f"load average {load}; written {path}")
     return 0
 

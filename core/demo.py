@@ -97,28 +97,65 @@ CHAIR = (
     "should the council back, and why?"
 )
 
-LATER_ROUNDS = [
-    ("What do you say to the points made so far?", "In reply to {name}, I think"),
-    ("What would change your mind?", "What would change my mind is"),
-    ("What should the council do first?", "First, the council should"),
+LATER_ROUNDS: list[tuple[str, dict[str, str]]] = [
+    (
+        "What do you say to the points made so far?",
+        {
+            "planner": "I disagree with {prev} on one thing:",
+            "historian": "{prev} has a point, but",
+            "shopkeeper": "Unlike {prev}, I believe",
+            "student": "{prev} forgets one thing:",
+        },
+    ),
+    (
+        "What would change your mind?",
+        {
+            "planner": "I would change my mind if the county",
+            "historian": "Only one thing would change my mind:",
+            "shopkeeper": "I could back another plan if",
+            "student": "Nothing will change my mind unless",
+        },
+    ),
+    (
+        "What should the council do first?",
+        {
+            "planner": "The first step is a vote on",
+            "historian": "Before anything else, we must",
+            "shopkeeper": "This week the council should",
+            "student": "Tomorrow we could start by",
+        },
+    ),
 ]
-"""From the second round on, the chair's question and how every speech starts, in turn
-(then again from the top). Each round asks something new: told to open a speech as an
-earlier one opened, a base model repeats that speech word for word (the penalties below
-count only what it generates, not the minutes it reads)."""
+"""From the second round on, the chair's question and how each agent's speech starts, in
+turn (then again from the top). Each round asks something new, and each agent starts
+its speech in its own words ({prev}: the speaker before it): told to open a speech as an
+earlier one opened, a base model goes on with that speech word for word."""
 
 
-def _round(turn: int) -> tuple[str, str]:
-    """(the chair's line, the opening) of a round after the first."""
-    question, opening = LATER_ROUNDS[(turn - 2) % len(LATER_ROUNDS)]
-    return f"Chair: Round {turn}. {question}", opening
+def _round(turn: int) -> tuple[str, dict[str, str]]:
+    """(the chair's line, each agent's opening) of a round after the first."""
+    question, openings = LATER_ROUNDS[(turn - 2) % len(LATER_ROUNDS)]
+    return f"Chair: Round {turn}. {question}", openings
 
 
-SAMPLING = {"temperature": 0.9, "top_p": 0.95, "frequency_penalty": 0.8, "presence_penalty": 0.4}
+SAMPLING: dict[str, Any] = {
+    "temperature": 0.9,
+    "top_p": 0.95,
+    "frequency_penalty": 0.8,
+    "presence_penalty": 0.4,
+    "dry_multiplier": 1.0,
+    "dry_base": 1.75,
+    "dry_allowed_length": 3,
+}
 """How the replies are sampled. Greedy decoding makes the 270M base model say the same line
 each turn (and every agent the same line); sampling with OpenAI's frequency and presence
-penalties (``kvshelf.runtime.sampling``) gives each agent its own words. The seed is the
-agent's and the round's, so a run with ``--fresh`` says the same again."""
+penalties (``kvshelf.runtime.sampling``) gives each agent its own words. Those count only
+what the reply generates, not the minutes the model reads, and from the second round on
+the base model copied earlier speeches out of its minutes: DRY (``dry_*``,
+``kvshelf.runtime.repetition``) penalizes the token that would extend a repeat of the
+minutes past 3 tokens, more steeply the longer the repeat (1.75 times per token), so a
+name or a figure may be quoted, a speech may not. The seed is the agent's and the
+round's, so a run with ``--fresh`` says the same again."""
 
 SENTENCES = 2
 """A speech ends after this many sentences (or at the end of its line, or at ``max_tokens``)."""
@@ -225,7 +262,7 @@ def _opening(agent: str, turn: int) -> str:
     if turn == 1:
         return OPENINGS[agent]
     order = list(AGENTS)
-    return _round(turn)[1].format(name=AGENTS_NAMES[order[order.index(agent) - 1]])
+    return _round(turn)[1][agent].format(prev=AGENTS_NAMES[order[order.index(agent) - 1]])
 
 
 def _speak(engine: Engine, console: Console, agent: str, minutes: str, turn: int, max_tokens: int) -> ChatResult:
