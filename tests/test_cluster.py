@@ -306,6 +306,27 @@ def test_2_haproxy_itself_sends_a_killed_nodes_request_to_another_node(shared):
         assert talk.nodes[-1] != victim.name and reply.model_extra["kvshelf"]["cache"] == "warm"
 
 
+@needs_nginx
+def test_nginx_sends_a_killed_nodes_request_to_another_node(shared, tmp_path):
+    """No client retry: nginx's ``proxy_next_upstream error`` takes a refused connection to
+    the next node on the ring, which restores the agent from the store."""
+    balancer = Nginx(shared.nodes, tmp_path)
+    try:
+        plain = openai.OpenAI(base_url=balancer.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        talks = [Conversation(plain, f"nginx-killed-{i:02d}") for i in range(6)]
+        for talk in talks:
+            talk.turn()
+        victim = shared.node(talks[0].nodes[0])
+        assert victim.proc is not None
+        victim.proc.kill()
+        victim.proc.wait(30)
+        for talk in [t for t in talks if t.nodes[0] == victim.name]:
+            reply = talk.turn()  # raises on a 5xx or a dropped connection
+            assert talk.nodes[-1] != victim.name and reply.model_extra["kvshelf"]["cache"] == "warm"
+    finally:
+        balancer.stop()
+
+
 def test_a_node_pinned_to_one_core_runs_one_blas_thread(model, tmp_path):
     """Under ``taskset -c 0`` OpenBLAS and BLIS each run one thread, not one per machine core
     fighting over the node's one; an unpinned node runs one per core it may use."""
