@@ -323,7 +323,13 @@ def failover(model: str, work: Path, size: Size) -> list[dict]:
         answered_s = time.monotonic() - killed_at
         moved = raw.parse()
         moved_ext = moved.model_extra["kvshelf"]
-        time.sleep(max(0.0, size.load_seconds - answered_s))
+        # the same prompt, cold, on the same node under the same load (the talkers go on):
+        # what the moved agent would have cost without the shared store
+        twin = Agent("mover-cold-twin", 0, 8)
+        twin.messages = list(mover.messages)
+        twin_status, twin_data, twin_node, *_ = twin.turn(http, cluster.url)
+        assert twin_status == 200 and twin_data is not None, twin_status
+        time.sleep(max(0.0, size.load_seconds - (time.monotonic() - killed_at)))
         stop.set()
         for t in threads:
             t.join()
@@ -358,9 +364,15 @@ def failover(model: str, work: Path, size: Size) -> list[dict]:
                 "moved_cache": moved_ext["cache"],
                 "moved_cached_tokens": moved.usage.prompt_tokens_details.cached_tokens,
                 "moved_ttft_s": moved_ext["ttft_s"],
+                "moved_prompt_tokens": moved.usage.prompt_tokens,
                 "cold_ttft_s": cold["ttft_s"],
                 "cold_prompt_tokens": cold["prompt_tokens"],
                 "ttft_cold_over_moved": round(cold["ttft_s"] / moved_ext["ttft_s"], 1),
+                # the same prompt cold on the node it moved to, under the same load
+                "cold_under_load_ttft_s": twin_data["kvshelf"]["ttft_s"],
+                "cold_under_load_prompt_tokens": twin_data["usage"]["prompt_tokens"],
+                "cold_under_load_node": twin_node,
+                "ttft_cold_under_load_over_moved": round(twin_data["kvshelf"]["ttft_s"] / moved_ext["ttft_s"], 1),
                 "record_bytes": record_bytes,
                 "store_read_MBps": round(read_bps / 1e6, 1),
                 "restore_floor_s": round(record_bytes / read_bps, 4),
