@@ -307,12 +307,12 @@ def failover(model: str, work: Path, size: Size) -> list[dict]:
             t.start()
         time.sleep(1.0)
         homes = {name: cluster.node_of(node).name for name, _, node, _, _ in list(outcomes) if node}
+        import openai  # before the kill: importing it took 2.65 s here, which is not the failover's
+
+        client: Any = openai.OpenAI(base_url=cluster.url + "/v1", api_key="unused", timeout=600)  # default retries
         killed_at, killed_wall = time.monotonic(), time.time()
         assert victim.proc is not None
         victim.proc.send_signal(signal.SIGKILL)
-        import openai
-
-        client: Any = openai.OpenAI(base_url=cluster.url + "/v1", api_key="unused", timeout=600)  # default retries
         raw = client.chat.completions.with_raw_response.create(
             model="kvshelf",
             messages=mover.messages,
