@@ -471,11 +471,11 @@ def chart(result: dict, path: Path) -> Path | None:
             labels = ["affinity" if "affinity" in r["config"] else "round robin" for r in mine]
             values, unit = [r["median_ttft_s"] for r in mine], "median TTFT (s)"
         else:
-            labels, values, unit = (
-                ["cold", "moved (restored)"],
-                [mine[0]["cold_ttft_s"], mine[0]["moved_ttft_s"]],
-                "TTFT (s)",
-            )
+            f = mine[0]
+            labels, values, unit = ["cold (idle)"], [f["cold_ttft_s"]], "TTFT (s), ~2K tokens"
+            if "cold_under_load_ttft_s" in f:
+                labels, values = [*labels, "cold (same load)"], [*values, f["cold_under_load_ttft_s"]]
+            labels, values = [*labels, "moved (restored)"], [*values, f["moved_ttft_s"]]
         bars = ax.bar(labels, values, color=["#4c72b0", "#dd8452"] * 2)
         ax.bar_label(bars, labels=[f"{v:.3g}" for v in values], fontsize=8)
         ax.set_title(part)
