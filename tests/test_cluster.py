@@ -9,6 +9,8 @@ say so. Each test gives its agents their own names, so the tests share one clust
 
 from __future__ import annotations
 
+import os
+import shutil
 import signal
 import time
 from collections.abc import Iterator
@@ -285,6 +287,69 @@ def test_2_kill_9_moves_a_nodes_agents_warm_and_the_client_sees_no_failure(share
     for talk in talks:
         if talk not in moved:
             assert talk.nodes[-1] == talk.nodes[0] and talk.replies[-1].model_extra["kvshelf"]["cache"] == "hot"
+
+
+def test_2_haproxy_itself_sends_a_killed_nodes_request_to_another_node(shared):
+    """No client retry: the first request after the kill, before HAProxy's health check
+    can have seen the node go, is answered (a refused connection is retried elsewhere)."""
+    plain = openai.OpenAI(base_url=shared.balancer.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    talks = [Conversation(plain, f"redispatched-{i:02d}") for i in range(6)]
+    for talk in talks:
+        talk.turn()
+    victim = shared.node(talks[0].nodes[0])
+    assert victim.proc is not None
+    victim.proc.kill()
+    victim.proc.wait(30)
+    moved = [t for t in talks if t.nodes[0] == victim.name]
+    for talk in moved:
+        reply = talk.turn()  # raises on a 5xx or a dropped connection: nothing retries here
+        assert talk.nodes[-1] != victim.name and reply.model_extra["kvshelf"]["cache"] == "warm"
+
+
+@needs_nginx
+def test_nginx_sends_a_killed_nodes_request_to_another_node(shared, tmp_path):
+    """No client retry: nginx's ``proxy_next_upstream error`` takes a refused connection to
+    the next node on the ring, which restores the agent from the store."""
+    balancer = Nginx(shared.nodes, tmp_path)
+    try:
+        plain = openai.OpenAI(base_url=balancer.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        talks = [Conversation(plain, f"nginx-killed-{i:02d}") for i in range(6)]
+        for talk in talks:
+            talk.turn()
+        victim = shared.node(talks[0].nodes[0])
+        assert victim.proc is not None
+        victim.proc.kill()
+        victim.proc.wait(30)
+        for talk in [t for t in talks if t.nodes[0] == victim.name]:
+            reply = talk.turn()  # raises on a 5xx or a dropped connection
+            assert talk.nodes[-1] != victim.name and reply.model_extra["kvshelf"]["cache"] == "warm"
+    finally:
+        balancer.stop()
+
+
+def test_a_node_pinned_to_one_core_runs_one_blas_thread(model, tmp_path):
+    """Under ``taskset -c 0`` OpenBLAS and BLIS each run one thread, not one per machine core
+    fighting over the node's one; an unpinned node runs one per core it may use."""
+    from kvshelf.model.blas import installed_path
+    from kvshelf.model.few_rows import system_gemm
+
+    if shutil.which("taskset") is None:
+        pytest.skip("taskset (util-linux) is not installed")
+    unset = {"OPENBLAS_NUM_THREADS": "", "BLIS_NUM_THREADS": ""}  # the defaults, whatever this shell sets
+    pinned = Node("pinned", model, tmp_path / "a", tmp_path, prefix=("taskset", "-c", "0"), env=unset).start()
+    free = Node("free", model, tmp_path / "b", tmp_path, env=unset).start()
+    try:
+        cores = len(os.sched_getaffinity(0))
+        for node, want in ((pinned.wait_up(), 1), (free.wait_up(), cores)):
+            threads = httpx.get(node.url + "/health", timeout=30).json()["threads"]
+            assert threads["cpus"] == want, (node.name, threads)
+            if installed_path() is not None:
+                assert threads["openblas"] == want, (node.name, threads)
+            if system_gemm() is not None:  # BLIS is installed and in use
+                assert threads["blis"] == want, (node.name, threads)
+    finally:
+        pinned.stop()
+        free.stop()
 
 
 def test_3_a_paused_node_resumes_and_its_stale_write_is_refused(shared):

@@ -13,8 +13,9 @@ BLIS is optional, like OpenBLAS: Debian's ``libblis4-pthread`` (``apt install
 libblis4-pthread``) or any ``libblis.so.4`` named by ``KVSHELF_BLIS``. It is opened
 with ``RTLD_LOCAL`` and called by its ``bli_`` names only, so none of its symbols can
 stand in for OpenBLAS's (which MLX resolves globally) nor OpenBLAS's for its own. It
-runs as many threads as the machine has cores (``BLIS_NUM_THREADS`` overrides), the
-same as OpenBLAS does, one pool at a time since the step loop calls them in turn.
+runs one thread per core this process may use (``blas.usable_cpus``: its affinity, so
+a node under ``taskset -c 0`` runs one; ``BLIS_NUM_THREADS`` overrides), as OpenBLAS
+does, one pool at a time since the step loop calls them in turn.
 Set ``KVSHELF_NO_BLIS=1`` to keep MLX's own matmuls.
 """
 
@@ -27,6 +28,8 @@ from collections.abc import Callable
 from functools import cache
 
 import numpy as np
+
+from kvshelf.model.blas import usable_cpus
 
 BLIS_CANDIDATES = (
     "/usr/lib/x86_64-linux-gnu/blis-pthread/libblis.so.4",
@@ -64,7 +67,7 @@ def system_gemm() -> Gemm | None:
     lib = _library()
     if lib is None:
         return None
-    threads = int(os.environ.get("BLIS_NUM_THREADS") or os.cpu_count() or 1)
+    threads = int(os.environ.get("BLIS_NUM_THREADS") or usable_cpus())
     lib.bli_thread_set_num_threads.argtypes = [ctypes.c_int64]
     lib.bli_thread_set_num_threads(threads)
     fn = lib.bli_sgemm
@@ -105,3 +108,13 @@ def system_gemm() -> Gemm | None:
         return y
 
     return gemm
+
+
+def blis_threads() -> int | None:
+    """The threads BLIS runs for the few-rows products (None when BLIS is not in use)."""
+    if system_gemm() is None:
+        return None
+    lib = _library()
+    assert lib is not None
+    lib.bli_thread_get_num_threads.restype = ctypes.c_int64
+    return int(lib.bli_thread_get_num_threads())

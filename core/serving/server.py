@@ -42,7 +42,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvshelf.errors import ApiError, InvalidAgentId, KVShelfError, UnknownAgent
+from kvshelf.model.blas import openblas_threads, usable_cpus
 from kvshelf.model.blas_check import announce as announce_blas
+from kvshelf.model.few_rows import blis_threads
 from kvshelf.model.loader import fingerprint_of
 from kvshelf.paths import default_cache_dir
 from kvshelf.runtime.engine import AgentInfo, ChatResult, Engine
@@ -439,6 +441,9 @@ def create_app(
             }
         )
 
+    # what a pinned node (taskset, a cpuset) runs: one thread per core it may use
+    blas_threads = {"cpus": usable_cpus(), "openblas": openblas_threads(), "blis": blis_threads()}
+
     @app.get("/health", response_model=None)
     def health() -> dict | JSONResponse:
         """200 while the server can keep its promises; 503 once the store directory it
@@ -449,7 +454,7 @@ def create_app(
         if owner is not None and not owner.intact():
             reason = f"the store directory {owner.directory} was deleted or replaced; restart the server"
             return JSONResponse({"status": "unhealthy", "model": name, "node": node, "reason": reason}, 503)
-        return {"status": "ok", "model": name, "node": node}
+        return {"status": "ok", "model": name, "node": node, "threads": blas_threads}
 
     @app.get("/metrics")
     def prometheus_metrics() -> Response:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import csv
 import os
+import re
 import shutil
 import signal
 import socket
@@ -119,9 +120,13 @@ def _ported(text: str, client_port: int, node_ports: list[int]) -> str:
 class HAProxy:
     """``deploy/haproxy.cfg`` run in the foreground, in front of ``nodes``."""
 
-    def __init__(self, nodes: list[Node], run_dir: Path, *, round_robin: bool = False) -> None:
+    def __init__(
+        self, nodes: list[Node], run_dir: Path, *, round_robin: bool = False, log_requests: bool = False
+    ) -> None:
         """``nodes``: one to three (the shipped file's server lines are kept for as many);
-        ``round_robin``: spread requests in turn instead of by agent (to compare against)."""
+        ``round_robin``: spread requests in turn instead of by agent (to compare against);
+        ``log_requests``: one line per request in the log (HAProxy's httplog, with the
+        agent id), so a benchmark can see where a request's time went (``request_log``)."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.stats = run_dir / "haproxy.sock"
@@ -133,12 +138,36 @@ class HAProxy:
         if round_robin:
             text = text.replace("balance hash var(txn.agent)", "balance roundrobin")
         text = text.replace("global\n", f"global\n    stats socket {self.stats} mode 600 level admin\n", 1)
+        if log_requests:
+            text = text.replace("global\n", "global\n    log stdout format raw local0\n", 1)
+            text = text.replace("defaults\n", "defaults\n    log global\n    option httplog\n", 1)
+            text = text.replace(
+                "frontend kvshelf\n", "frontend kvshelf\n    http-request capture req.hdr(x-agent-id) len 128\n", 1
+            )
         self.config = run_dir / "haproxy.cfg"
         self.config.write_text(text)
         self.log_path = run_dir / "haproxy.log"
         with self.log_path.open("w") as log:
             self.proc = subprocess.Popen([_binary("haproxy"), "-db", "-f", str(self.config)], stdout=log, stderr=log)
         self.names = [f"node{i + 1}" for i in range(len(nodes))]
+
+    def request_log(self) -> list[dict[str, str | int]]:
+        """The requests logged so far (``log_requests``): when each was accepted (HAProxy's
+        clock, ms), the agent, the node that answered, HAProxy's timers (ms: Tq waiting for
+        the request, Tw queued, Tc connecting, Tr the node's answer, Ta in all), the status
+        and how many times HAProxy retried it (a leading ``+``: redispatched)."""
+        pattern = re.compile(
+            r"\[(?P<accept>[^\]]+)\] \S+ \S+/(?P<node>\S+) (?P<Tq>-?\d+)/(?P<Tw>-?\d+)/(?P<Tc>-?\d+)/"
+            r"(?P<Tr>-?\d+)/(?P<Ta>-?\d+) (?P<status>-?\d+) .*? \d+/\d+/\d+/\d+/(?P<retries>\+?\d+) "
+            r"\d+/\d+ \{(?P<agent>[^}]*)\}"
+        )
+        rows: list[dict[str, str | int]] = []
+        for line in self.log_path.read_text().splitlines():
+            if (m := pattern.search(line)) is not None:
+                row: dict[str, str | int] = {k: m[k] for k in ("accept", "node", "agent", "retries")}
+                row.update({k: int(m[k]) for k in ("Tq", "Tw", "Tc", "Tr", "Ta", "status")})
+                rows.append(row)
+        return rows
 
     def states(self) -> dict[str, str]:
         """Each node's state as HAProxy's health checks see it (UP, DOWN, ...)."""
