@@ -51,8 +51,9 @@ from mlx_lm.utils import _get_classes
 from kvbench.decode_steps import bandwidth_gbs, fill, kv_bytes, step_ms, weight_bytes
 from kvshelf.kv.agent_cache import AgentCache
 from kvshelf.kv.schemes import DEFAULT_SCHEME, SCHEMES
+from kvshelf.model import few_rows
 from kvshelf.model.gemv import with_fast_linears
-from kvshelf.model.head import with_fast_head
+from kvshelf.model.head import ProjectedModel, with_fast_head
 from kvshelf.model.loader import load, materialize
 from kvshelf.model.spec import ModelCacheSpec
 
@@ -86,12 +87,29 @@ def build_model(name: str) -> nn.Module:
     raise ValueError(f"unknown model {name!r}; known: embedded, llama30")
 
 
-PATHS = ("mlx-lm", "default", "q4", "per-step", "head-only", "one-row-sgemv")
+PATHS = ("mlx-lm", "default", "q4", "no-blis", "per-step", "head-only", "one-row-sgemv")
+
+
+def engine_forward(model: nn.Module, blis: bool = True) -> nn.Module | ProjectedModel:
+    """What the engine runs (``with_fast_linears``), with or without BLIS for a batch's
+    rows (``KVSHELF_NO_BLIS``, read when the wrappers are built), so both are timed in one run."""
+    saved = os.environ.get("KVSHELF_NO_BLIS")
+    os.environ["KVSHELF_NO_BLIS"] = "0" if blis else "1"
+    few_rows.system_gemm.cache_clear()
+    try:
+        return with_fast_linears(model)
+    finally:
+        if saved is None:
+            del os.environ["KVSHELF_NO_BLIS"]
+        else:
+            os.environ["KVSHELF_NO_BLIS"] = saved
+        few_rows.system_gemm.cache_clear()
 
 
 def run(
     models: list[str], contexts: list[int], batches: list[int], steps: int, warmup: int, paths: Sequence[str] = PATHS
 ) -> dict:
+    load_start = list(os.getloadavg())
     bw = bandwidth_gbs()
     gbs = max(bw.values())
     print(f"memory bandwidth: {bw['mlx_sum_gbs']:.2f} GB/s (mlx sum), {bw['numpy_sum_gbs']:.2f} GB/s (numpy sum)")
@@ -100,7 +118,8 @@ def run(
         model = build_model(name)
         spec = ModelCacheSpec.from_model(model)
         wbytes = weight_bytes(model)
-        fast = with_fast_linears(model)  # what the engine runs: sgemv at batch 1, BLIS for a few rows
+        fast = engine_forward(model)  # what the engine runs: sgemv for the head at batch 1, BLIS for a few rows
+        no_blis = engine_forward(model, blis=False)  # the same with MLX's own matmuls for a batch's rows
         head_only = with_fast_head(model)  # the previous engine path: only the batch-1 head through sgemv
         one_row = with_fast_linears(model, one_row=True)  # batch 1's layer projections through sgemv too
         floor_ms = wbytes / (gbs * 1e9) * 1e3
@@ -122,6 +141,8 @@ def run(
                     agents.append(cache.layers)
                 for batch in batches:
                     kinds: list[tuple[bool, str, Any]] = [(True, scheme, fast)]
+                    if "no-blis" in paths and batch > 1:
+                        kinds.append((True, f"{scheme} no-blis", no_blis))
                     if "head-only" in paths:
                         kinds.append((True, f"{scheme} head-only sgemv", head_only))
                     if "one-row-sgemv" in paths:
@@ -136,7 +157,28 @@ def run(
                 del agents
         del model
     load_end = list(os.getloadavg())
-    return {"bandwidth": bw, "steps": steps, "warmup": warmup, "load_average_at_end": load_end, "rows": rows}
+    _against_batch_1(rows)
+    print(f"load average at start {load_start}, at end {load_end}")
+    return {
+        "bandwidth": bw,
+        "steps": steps,
+        "warmup": warmup,
+        "load_average_at_start": load_start,
+        "load_average_at_end": load_end,
+        "rows": rows,
+    }
+
+
+def _against_batch_1(rows: list[dict]) -> None:
+    """Each batched row's tokens/s as a multiple of batch 1's on the same model, context and
+    scheme (issue 14's goals: >= 3x at batch 4, >= 5x at batch 8), printed and kept in the row."""
+    one = {(r["model"], r["context"], r["path"]): r for r in rows if r["batch"] == 1}
+    for r in rows:
+        base = one.get((r["model"], r["context"], r["path"].removesuffix(" no-blis")))
+        if base is not None and r["batch"] > 1:
+            r["x_batch_1_tokens_per_s"] = round(r["tokens_per_s"] / base["tokens_per_s"], 2)
+            x = r["x_batch_1_tokens_per_s"]
+            print(f"  {r['model']} {r['context']} {r['path']} batch {r['batch']}: {x}x batch 1's tokens/s")
 
 
 def _clone(layers: list[Any]) -> list[Any]:
@@ -207,7 +249,7 @@ def main() -> None:
     parser.add_argument("--batches", default="1,2,4,8")
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--paths", default="mlx-lm,default,q4", help=f"any of {','.join(PATHS)}")
+    parser.add_argument("--paths", default="mlx-lm,default,q4,no-blis", help=f"any of {','.join(PATHS)}")
     args = parser.parse_args()
     contexts = [1024] if args.quick else [int(c) for c in args.contexts.split(",")]
     batches = [1, 4] if args.quick else [int(b) for b in args.batches.split(",")]
