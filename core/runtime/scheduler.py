@@ -369,7 +369,8 @@ class Scheduler:
         # and all next tokens: no sync per member (each sampler still reads its own row).
         chosen = mx.stack([self._choose(r, logits[b]) for b, r in enumerate(batch)])
         mx.eval(chosen, [a for c in held for a in c.arrays()], self._working.arrays())
-        for r, c, token in zip(batch, held, chosen.tolist()):
+        tokens = [int(t) for t in np.asarray(chosen)]
+        for r, c, token in zip(batch, held, tokens):
             c.tokens.append(r.next_token)  # type: ignore[arg-type]
             self._take(r, token)
         return True
