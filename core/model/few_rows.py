@@ -15,7 +15,23 @@ with ``RTLD_LOCAL`` and called by its ``bli_`` names only, so none of its symbol
 stand in for OpenBLAS's (which MLX resolves globally) nor OpenBLAS's for its own. It
 runs as many threads as the machine has cores (``BLIS_NUM_THREADS`` overrides), the
 same as OpenBLAS does, one pool at a time since the step loop calls them in turn.
-Set ``KVSHELF_NO_BLIS=1`` to keep MLX's own matmuls.
+Set ``KVSHELF_NO_BLIS=1`` to keep MLX's own matmuls everywhere.
+
+A decode batch's rows go through BLIS only when asked (``KVSHELF_BLIS_BATCHES=1``, or
+``with_fast_linears(..., batches=True)``); by default they stay MLX's own matmuls.
+Decided by whole batched steps measured with and without it in one run, twice
+(``benchmarks/decode_batch_profile.py``, embedded Gemma 3 and the 30-layer llama at 1K,
+batch 4 and 8, ``benchmarks/results/decode-batch-profile-20261201-143143.json``, load
+3.3 -> 2.4: with BLIS 306/469 and 479/442 ms a step, without 354/418 and 350/438 ms;
+the session before, load 1.3: 282/296 and 232/333 against 262/330 and 209/311): no
+reliable gain, and in sum slower with BLIS (1696 against 1560 ms; 1143 against 1112).
+Alone BLIS's kernels are faster (4 rows through the embedded model's 126 projections
+73 against 133 ms, its head 94 against 153 ms at 8 rows), but each call hands a numpy
+view to BLIS, so MLX must evaluate the step's graph up to it: 126-210 syncs a step,
+which cost about what the kernels save. (What grows with the batch is attention, not
+the projections: see the README.) Every projection through BLIS
+(``kvshelf.model.gemv.SHAPE_INVARIANT``) is a separate choice and uses ``system_gemm``
+whatever this default says.
 """
 
 from __future__ import annotations
@@ -42,6 +58,12 @@ MAX_FEW_ROWS = 16
 SLICE_ROWS = 256
 
 Gemm = Callable[[np.ndarray, np.ndarray], np.ndarray]
+
+
+def batches_through_blis() -> bool:
+    """Whether a decode batch's 2..MAX_FEW_ROWS rows go through BLIS (off unless
+    ``KVSHELF_BLIS_BATCHES=1``; read when a model's wrappers are built; see above)."""
+    return os.environ.get("KVSHELF_BLIS_BATCHES", "").lower() in ("1", "true", "yes")
 
 
 def _library() -> ctypes.CDLL | None:
