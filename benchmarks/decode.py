@@ -6,8 +6,9 @@ and side by side, for each model and context length:
 
 - kvshelf's step with the default KV scheme and with plain per-token Q4, at batch
   1, 2, 4 and 8: the scheduler's own path (the decode working set,
-  ``kvshelf.kv.working_set``, kept across steps; every projection at batch 1 through
-  sgemv and a batch's through BLIS, ``kvshelf.model.gemv``), and (``--paths per-step``)
+  ``kvshelf.kv.working_set``, kept across steps; the head at batch 1 through sgemv,
+  ``kvshelf.model.gemv``), beside it (``--paths blis``) the same with a batch's rows
+  through BLIS (off by default, ``kvshelf.model.few_rows``), and (``--paths per-step``)
   the per-step path it replaced
   ("per-step": the model's own call on the agents' layer caches, one ``BatchLayerView``
   per layer when several agents decode together);
@@ -51,8 +52,9 @@ from mlx_lm.utils import _get_classes
 from kvbench.decode_steps import bandwidth_gbs, fill, kv_bytes, step_ms, weight_bytes
 from kvshelf.kv.agent_cache import AgentCache
 from kvshelf.kv.schemes import DEFAULT_SCHEME, SCHEMES
+from kvshelf.model import few_rows
 from kvshelf.model.gemv import with_fast_linears
-from kvshelf.model.head import with_fast_head
+from kvshelf.model.head import ProjectedModel, with_fast_head
 from kvshelf.model.loader import load, materialize
 from kvshelf.model.spec import ModelCacheSpec
 
@@ -86,12 +88,21 @@ def build_model(name: str) -> nn.Module:
     raise ValueError(f"unknown model {name!r}; known: embedded, llama30")
 
 
-PATHS = ("mlx-lm", "default", "q4", "per-step", "head-only", "one-row-sgemv")
+# "blis" (or "no-blis"): the engine with the other setting of BLIS for a batch's rows beside it
+PATHS = ("mlx-lm", "default", "q4", "blis", "no-blis", "per-step", "head-only", "one-row-sgemv")
+
+
+def engine_forward(model: nn.Module, blis: bool | None = None) -> nn.Module | ProjectedModel:
+    """What the engine runs (``with_fast_linears``); ``blis``: a decode batch's rows through
+    BLIS or not (None: the engine's default, ``kvshelf.model.few_rows``), so both are timed
+    in one run."""
+    return with_fast_linears(model, batches=blis)
 
 
 def run(
     models: list[str], contexts: list[int], batches: list[int], steps: int, warmup: int, paths: Sequence[str] = PATHS
 ) -> dict:
+    load_start = list(os.getloadavg())
     bw = bandwidth_gbs()
     gbs = max(bw.values())
     print(f"memory bandwidth: {bw['mlx_sum_gbs']:.2f} GB/s (mlx sum), {bw['numpy_sum_gbs']:.2f} GB/s (numpy sum)")
@@ -100,7 +111,10 @@ def run(
         model = build_model(name)
         spec = ModelCacheSpec.from_model(model)
         wbytes = weight_bytes(model)
-        fast = with_fast_linears(model)  # what the engine runs: sgemv at batch 1, BLIS for a few rows
+        fast = engine_forward(model)  # what the engine runs: sgemv for the head at batch 1
+        blis_default = few_rows.batches_through_blis()
+        toggled = engine_forward(model, blis=not blis_default)  # the other setting of BLIS for a batch's rows
+        toggled_name = "no-blis" if blis_default else "blis"
         head_only = with_fast_head(model)  # the previous engine path: only the batch-1 head through sgemv
         one_row = with_fast_linears(model, one_row=True)  # batch 1's layer projections through sgemv too
         floor_ms = wbytes / (gbs * 1e9) * 1e3
@@ -122,6 +136,8 @@ def run(
                     agents.append(cache.layers)
                 for batch in batches:
                     kinds: list[tuple[bool, str, Any]] = [(True, scheme, fast)]
+                    if ("blis" in paths or "no-blis" in paths) and batch > 1:
+                        kinds.append((True, f"{scheme} {toggled_name}", toggled))
                     if "head-only" in paths:
                         kinds.append((True, f"{scheme} head-only sgemv", head_only))
                     if "one-row-sgemv" in paths:
@@ -136,7 +152,28 @@ def run(
                 del agents
         del model
     load_end = list(os.getloadavg())
-    return {"bandwidth": bw, "steps": steps, "warmup": warmup, "load_average_at_end": load_end, "rows": rows}
+    _against_batch_1(rows)
+    print(f"load average at start {load_start}, at end {load_end}")
+    return {
+        "bandwidth": bw,
+        "steps": steps,
+        "warmup": warmup,
+        "load_average_at_start": load_start,
+        "load_average_at_end": load_end,
+        "rows": rows,
+    }
+
+
+def _against_batch_1(rows: list[dict]) -> None:
+    """Each batched row's tokens/s as a multiple of batch 1's on the same model, context and
+    scheme (issue 14's goals: >= 3x at batch 4, >= 5x at batch 8), printed and kept in the row."""
+    one = {(r["model"], r["context"], r["path"]): r for r in rows if r["batch"] == 1}
+    for r in rows:
+        base = one.get((r["model"], r["context"], r["path"].removesuffix(" no-blis").removesuffix(" blis")))
+        if base is not None and r["batch"] > 1:
+            r["x_batch_1_tokens_per_s"] = round(r["tokens_per_s"] / base["tokens_per_s"], 2)
+            x = r["x_batch_1_tokens_per_s"]
+            print(f"  {r['model']} {r['context']} {r['path']} batch {r['batch']}: {x}x batch 1's tokens/s")
 
 
 def _clone(layers: list[Any]) -> list[Any]:
@@ -207,7 +244,7 @@ def main() -> None:
     parser.add_argument("--batches", default="1,2,4,8")
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--paths", default="mlx-lm,default,q4", help=f"any of {','.join(PATHS)}")
+    parser.add_argument("--paths", default="mlx-lm,default,q4,blis", help=f"any of {','.join(PATHS)}")
     args = parser.parse_args()
     contexts = [1024] if args.quick else [int(c) for c in args.contexts.split(",")]
     batches = [1, 4] if args.quick else [int(b) for b in args.batches.split(",")]

@@ -67,7 +67,7 @@ def within_bound(got: np.ndarray, own: np.ndarray, weight: np.ndarray, rows: np.
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_few_rows_are_within_the_bound_and_more_are_bit_identical(kind, models):
-    fast = with_fast_linears(models[kind].model, one_row=True)  # one row through sgemv too (off by default)
+    fast = with_fast_linears(models[kind].model, one_row=True, batches=True)  # both off by default
     assert isinstance(fast, ProjectedModel)
     rng = np.random.default_rng(1)
     for layer in wrapped(fast):
@@ -83,8 +83,10 @@ def test_few_rows_are_within_the_bound_and_more_are_bit_identical(kind, models):
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_batch_of_agents_projects_through_blis_within_the_bound(kind, models):
     loaded = models[kind]
-    fast = fast_of(loaded)
+    fast = with_fast_linears(loaded.model, batches=True)  # off by default (kvshelf.model.few_rows)
+    assert isinstance(fast, ProjectedModel)
     assert fast._gemm is not None  # BLIS is installed where these tests run (libblis4-pthread)
+    assert fast_of(loaded)._gemm is None  # the engine's default: a batch's rows stay MLX's
     hidden = loaded.model.model(mx.array([PROMPT]))[0][:, None]  # 14 positions as 14 agents
     got, own = np.asarray(fast.project(hidden)), np.asarray(fast._project(hidden))
     assert got.shape == own.shape and within_bound(got, own, fast.weight_view(), np.asarray(hidden))

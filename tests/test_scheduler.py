@@ -73,6 +73,38 @@ def test_batched_decode_matches_one_at_a_time(kind, tiny_dirs, tmp_path):
         assert a.token_ids == b.token_ids and a.usage.cached_tokens == b.usage.cached_tokens > 0
 
 
+def test_a_batch_samples_each_member_as_it_would_alone(tiny_dirs, tmp_path):
+    """The step loop chooses every member's token in the step's one evaluation: seeded
+    sampling and greedy members side by side give what each gives alone."""
+    # agent: (temperature, top_p, seed)
+    settings: dict[str, tuple[float, float, int | None]] = {
+        "ann": (0.9, 1.0, 7),
+        "ben": (0.0, 1.0, None),
+        "cat": (1.2, 0.8, 11),
+    }
+
+    def reply(engine: Engine, aid: str) -> list[int]:
+        temperature, top_p, seed = settings[aid]
+        result = engine.chat(aid, msgs(PROMPTS[aid]), max_tokens=12, temperature=temperature, top_p=top_p, seed=seed)
+        return result.token_ids
+
+    alone = Engine(model=tiny_dirs["llama"], cache_dir=tmp_path / "alone")
+    want = {aid: reply(alone, aid) for aid in settings}
+    together = Engine(model=tiny_dirs["llama"], cache_dir=tmp_path / "together")
+    got: dict = {}
+
+    def work(aid: str) -> None:
+        got[aid] = reply(together, aid)
+
+    threads = [threading.Thread(target=work, args=(aid,)) for aid in settings]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert together.stats["max_batch"] >= 2, together.stats
+    assert got == want
+
+
 def test_agents_join_a_running_batch(tiny_dirs, tmp_path):
     engine = Engine(model=tiny_dirs["llama"], cache_dir=tmp_path)
     ref = Engine(model=tiny_dirs["llama"], cache_dir=tmp_path / "ref")

@@ -16,7 +16,32 @@ stand in for OpenBLAS's (which MLX resolves globally) nor OpenBLAS's for its own
 runs one thread per core this process may use (``blas.usable_cpus``: its affinity, so
 a node under ``taskset -c 0`` runs one; ``BLIS_NUM_THREADS`` overrides), as OpenBLAS
 does, one pool at a time since the step loop calls them in turn.
-Set ``KVSHELF_NO_BLIS=1`` to keep MLX's own matmuls.
+Set ``KVSHELF_NO_BLIS=1`` to keep MLX's own matmuls everywhere.
+
+A decode batch's rows go through BLIS only when asked (``KVSHELF_BLIS_BATCHES=1``, or
+``with_fast_linears(..., batches=True)``); by default they stay MLX's own matmuls.
+Decided by whole batched steps measured with and without it side by side, in three runs
+(embedded Gemma 3 and the 30-layer llama at 1K, default scheme, ms a step):
+
+- ``benchmarks/decode.py``, ``results/decode-20261201-145852.json`` (load 1.6 -> 1.9),
+  batch 2/4/8: Gemma 3 233/435/456 with BLIS against 250/336/510 without, the llama
+  250/358/497 against 245/341/419 (plain Q4: 239/348/550 and 260/393/601 against
+  276/437/607 and 215/393/621);
+- ``benchmarks/decode_batch_profile.py``, ``results/decode-batch-profile-20261201-143143.json``
+  (load 3.3 -> 2.4), batch 4/8: 306/469 and 479/442 with BLIS against 354/418 and 350/438;
+- the session before (load 1.3), batch 4/8: 282/296 and 232/333 against 262/330 and 209/311.
+
+Every comparison goes either way by up to 30% from one batch size to the next (the noise
+of this 2-core machine), and the sums show no gain: the default scheme 2229 ms with BLIS
+against 2101 without in the first run, 1696 against 1560 and 1143 against 1112 in the
+others (plain Q4, the one case in its favour: 2391 against 2549).
+Alone BLIS's kernels are faster (4 rows through the embedded model's 126 projections
+73 against 133 ms, its head 94 against 153 ms at 8 rows), but each call hands a numpy
+view to BLIS, so MLX must evaluate the step's graph up to it: 126-210 syncs a step,
+which cost about what the kernels save. (What grows with the batch is attention, not
+the projections: see the README.) Every projection through BLIS
+(``kvshelf.model.gemv.SHAPE_INVARIANT``) is a separate choice and uses ``system_gemm``
+whatever this default says.
 """
 
 from __future__ import annotations
@@ -45,6 +70,12 @@ MAX_FEW_ROWS = 16
 SLICE_ROWS = 256
 
 Gemm = Callable[[np.ndarray, np.ndarray], np.ndarray]
+
+
+def batches_through_blis() -> bool:
+    """Whether a decode batch's 2..MAX_FEW_ROWS rows go through BLIS (off unless
+    ``KVSHELF_BLIS_BATCHES=1``; read when a model's wrappers are built; see above)."""
+    return os.environ.get("KVSHELF_BLIS_BATCHES", "").lower() in ("1", "true", "yes")
 
 
 def _library() -> ctypes.CDLL | None:

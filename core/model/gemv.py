@@ -9,7 +9,8 @@ Gemma 3 at 38.5 ms through MLX and 19.2 ms through ``cblas_sgemv`` (load 1.1-1.3
 
 ``gemv_body`` builds a second module tree over the same arrays (nothing is copied but
 the small module objects), in which every plain fp32 ``nn.Linear`` without a bias is a
-``GemvLinear``: 2..16 rows go to BLIS (where installed), one row to ``sgemv`` only with
+``GemvLinear``: 2..16 rows go to BLIS (where installed, and only with ``batches``: off by
+default, see ``kvshelf.model.few_rows``), one row to ``sgemv`` only with
 ``one_row`` (off by default: see ``ONE_ROW_SGEMV``), and anything else is the wrapped
 layer's own call, bit for bit. The model itself is not changed, so the plain model (what
 mlx-lm, the spec probe and every long prompt see) stays what it was. Each wrapped layer
@@ -35,7 +36,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from kvshelf.model.few_rows import MAX_FEW_ROWS, Gemm, system_gemm
+from kvshelf.model.few_rows import MAX_FEW_ROWS, Gemm, batches_through_blis, system_gemm
 from kvshelf.model.head import ProjectedModel, buffer_view, dot_error_bound, system_sgemv, with_fast_head
 
 Sgemv = Callable[[np.ndarray, np.ndarray], np.ndarray]
@@ -166,9 +167,10 @@ def gemv_body(
 
 
 def with_fast_linears(
-    model: nn.Module, one_row: bool = ONE_ROW_SGEMV, all_rows: bool | None = None
+    model: nn.Module, one_row: bool = ONE_ROW_SGEMV, all_rows: bool | None = None, batches: bool | None = None
 ) -> nn.Module | ProjectedModel:
-    """``with_fast_head(model)`` whose body also runs its batch-1 projections through sgemv.
+    """``with_fast_head(model)`` whose body also runs its batch-1 projections through sgemv
+    (``one_row``) and a decode batch's through BLIS (``batches``; None: ``few_rows``'s default).
 
     Only where the head itself could be wrapped (fp32 on the CPU with the system OpenBLAS
     and an architecture that is body then projection), and only if the copied body is
@@ -180,6 +182,9 @@ def with_fast_linears(
         return fast
     gemm = system_gemm()
     all_rows = (SHAPE_INVARIANT if all_rows is None else all_rows) and gemm is not None and _row_invariant(gemm)
+    # a decode batch's rows through BLIS only when asked (kvshelf.model.few_rows says why)
+    if not all_rows and not (batches_through_blis() if batches is None else batches):
+        gemm = None
     wrapped: list[GemvLinear] = []
     body = gemv_body(model.model, sgemv, gemm, wrapped, one_row, all_rows)
     if not wrapped:

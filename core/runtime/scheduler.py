@@ -365,19 +365,31 @@ class Scheduler:
         held = [_cache_of(r) for r in batch]
         caches = self._working.caches(batch, [c.layers for c in held])
         logits = self._model(x, cache=caches)[:, -1]
-        mx.eval(logits, [a for c in held for a in c.arrays()], self._working.arrays())
-        for b, r in enumerate(batch):
-            held[b].tokens.append(r.next_token)  # type: ignore[arg-type]
-            self._accept(r, logits[b])
+        # Every member's choice joins the step's graph, so one evaluation computes the step
+        # and all next tokens: no sync per member (each sampler still reads its own row).
+        chosen = mx.stack([self._choose(r, logits[b]) for b, r in enumerate(batch)])
+        mx.eval(chosen, [a for c in held for a in c.arrays()], self._working.arrays())
+        tokens = [int(t) for t in np.asarray(chosen)]
+        for r, c, token in zip(batch, held, tokens):
+            c.tokens.append(r.next_token)  # type: ignore[arg-type]
+            self._take(r, token)
         return True
 
     # -- per-token bookkeeping ------------------------------------------------------------
     def _accept(self, r: Request, logits: mx.array) -> None:
         """Sample the next token, stream text, and decide whether ``r`` goes on."""
+        self._take(r, int(self._choose(r, logits)))
+
+    @staticmethod
+    def _choose(r: Request, logits: mx.array) -> mx.array:
+        """``r``'s next token from its logits, as a (lazy) scalar array."""
         assert r.sampler is not None
         if r.constraint is not None:  # the only hook of constrained decoding: mask, then sample
             logits = r.constraint.masked(logits)
-        token = int(r.sampler(logits))
+        return r.sampler(logits).reshape(())
+
+    def _take(self, r: Request, token: int) -> None:
+        """Stream ``token``'s text and decide whether ``r`` goes on."""
         if r.ttft is None:
             r.ttft = time.perf_counter() - r.t0
         stops = r.stops + self._template_stops
