@@ -13,6 +13,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 from pathlib import Path
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -214,7 +215,8 @@ def _demo_with_ctrl_c(argv: list[str]) -> int:
     ends it the same way. The process then leaves at once (``os._exit``): its engine is
     closed, and the interpreter's teardown of MLX, transformers and their threads takes a
     third of a second more, for nothing."""
-    signal.signal(signal.SIGINT, signal.default_int_handler)
+    if threading.current_thread() is threading.main_thread():  # signal handlers belong to the main thread
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         return _command(argv)
     except BaseException as exc:
