@@ -11,7 +11,9 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
+import threading
 from pathlib import Path
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -131,6 +133,12 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["bench"]:  # every option after it belongs to benchmarks/bench.py
         return _bench(argv[1:])
+    if argv[:1] == ["demo"]:
+        return _demo_with_ctrl_c(argv)
+    return _command(argv)
+
+
+def _command(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     level = getattr(args, "log_level", "warning")
     logging.basicConfig(level=level.upper(), format="%(levelname)s %(name)s: %(message)s")
@@ -196,23 +204,49 @@ def _announce_blas() -> None:
     announce()
 
 
-def _demo(args: argparse.Namespace) -> int:
-    """Run the demo; Ctrl-C ends it with status 130 and no traceback (the demo saved first).
+def _demo_with_ctrl_c(argv: list[str]) -> int:
+    """``kvshelf demo``: Ctrl-C at any moment (parsing, imports, the model's load, a reply,
+    the stop) ends it with status 130 and no traceback; the demo has saved first.
 
-    After Ctrl-C the demo has flushed every save, said what is on disk and closed its
-    engine, so the process leaves at once (``os._exit``): the interpreter's teardown of
-    MLX, transformers and their threads takes a third of a second more, for nothing."""
+    The demo takes SIGINT itself, first thing: a process started with SIGINT ignored (what a
+    shell does to a command it runs in the background, or a CI runner) would otherwise keep
+    ignoring it, and a Ctrl-C sent to it would never stop it. Once interrupted, any exception
+    that comes out (a library may turn the KeyboardInterrupt into another one on its way up)
+    ends it the same way. The process then leaves at once (``os._exit``): its engine is
+    closed, and the interpreter's teardown of MLX, transformers and their threads takes a
+    third of a second more, for nothing."""
+    if threading.current_thread() is threading.main_thread():  # signal handlers belong to the main thread
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
-        _announce_blas()
-        from kvshelf.demo import run_demo
-
-        run_demo(args.model, args.cache_dir, args.turns, args.max_tokens, args.budget, args.fresh)
-    except KeyboardInterrupt:
+        return _command(argv)
+    except BaseException as exc:
+        if not from_ctrl_c(exc):
+            raise
         print("kvshelf demo: interrupted", file=sys.stderr)
         logging.shutdown()
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(130)
+
+
+def from_ctrl_c(exc: BaseException) -> bool:
+    """Whether ``exc`` is a KeyboardInterrupt, or was raised while handling one or because of one."""
+    seen: set[int] = set()
+    cause: BaseException | None = exc
+    while cause is not None and id(cause) not in seen:
+        if isinstance(cause, KeyboardInterrupt):
+            return True
+        seen.add(id(cause))
+        cause = cause.__cause__ or cause.__context__
+    return False
+
+
+def _demo(args: argparse.Namespace) -> int:
+    """Run the demo (Ctrl-C: see ``_demo_with_ctrl_c``)."""
+    _announce_blas()
+    from kvshelf.demo import run_demo
+
+    run_demo(args.model, args.cache_dir, args.turns, args.max_tokens, args.budget, args.fresh)
     return 0
 
 

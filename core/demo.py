@@ -27,6 +27,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TextIO
 
+from kvshelf.cli import from_ctrl_c
 from kvshelf.runtime.engine import ChatResult, Engine
 from kvshelf.runtime.params import GenerationParams
 
@@ -321,9 +322,13 @@ def run_demo(
     engine = Engine(model=model, cache_dir=cache_dir, budget=budget, prefill_chunk=PREFILL_CHUNK)
     try:
         return _round_table(engine, console, turns, max_tokens, fresh)
-    except KeyboardInterrupt:
+    except BaseException as exc:
+        if not from_ctrl_c(exc):  # a library may turn the KeyboardInterrupt into another exception
+            raise
         _stop(engine, console)
-        raise
+        if isinstance(exc, KeyboardInterrupt):
+            raise
+        raise KeyboardInterrupt from exc
     finally:
         engine.close()
 

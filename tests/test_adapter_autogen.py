@@ -494,12 +494,6 @@ def test_predict_context_extends_the_listeners_history_with_what_it_has_not_hear
 
 
 @MODES
-@pytest.mark.xfail(
-    strict=False,
-    reason="known regression to fix (issue 21's rewind rule): after earlier tests fill the shared engine's budget, "
-    "a reloaded prefill-ahead cache cut inside a quantized key block goes back to the system-text checkpoint, so "
-    "fewer tokens are cached than without prefill ahead (passes alone; replies stay identical either way)",
-)
 @pytest.mark.asyncio
 async def test_group_chat_prefill_ahead_gives_the_same_replies_with_more_of_each_prompt_cached(tiny, mode):
     engine = tiny["engine"]

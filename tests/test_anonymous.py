@@ -10,10 +10,13 @@ from kvshelf.runtime.engine import Engine
 
 LONG = " ".join(f"line {i}: the tide came in at {i % 12} o'clock." for i in range(20))
 SYSTEM = {"role": "system", "content": "You are a harbour master. " + LONG}
+# Over one 256-token key block (a byte per token), so a second turn reuses a closed block
+# and its open tail, at a third of SYSTEM's prefill: the exactness test prefills token by token.
+SHORTER = {"role": "system", "content": "You are a harbour master. " + LONG[: LONG.index("line 8:")]}
 
 
-def first_turn(question: str = "When is high tide?") -> list[dict]:
-    return [SYSTEM, {"role": "user", "content": question}]
+def first_turn(question: str = "When is high tide?", system: dict = SYSTEM) -> list[dict]:
+    return [system, {"role": "user", "content": question}]
 
 
 def next_turn(messages: list[dict], reply: str, question: str) -> list[dict]:
@@ -28,9 +31,9 @@ def files_under(path) -> list:
 def test_a_growing_anonymous_conversation_reuses_its_prefix_exactly(kind, tiny_dirs, tmp_path):
     engine = Engine(model=tiny_dirs[kind], cache_dir=tmp_path / "a", prefill_chunk=1)
     fresh = Engine(model=tiny_dirs[kind], cache_dir=tmp_path / "b", prefill_chunk=1)
-    r1 = engine.chat(None, first_turn(), max_tokens=8)
-    assert r1.cache == "none" and r1.usage.cached_tokens == 0
-    msgs = next_turn(first_turn(), r1.text, "And tomorrow?")
+    r1 = engine.chat(None, first_turn(system=SHORTER), max_tokens=8)
+    assert r1.cache == "none" and r1.usage.cached_tokens == 0 and r1.usage.prompt_tokens > 256
+    msgs = next_turn(first_turn(system=SHORTER), r1.text, "And tomorrow?")
     r2 = engine.chat(None, msgs, max_tokens=8)
     # everything the model saw last turn is reused, up to where the reply's re-rendering differs
     assert r2.cache == "none" and r2.usage.cached_tokens >= r1.usage.prompt_tokens

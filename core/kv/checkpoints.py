@@ -167,11 +167,18 @@ def _arrays(checkpoint: Checkpoint) -> list[mx.array]:
 
 def still_useful(checkpoints: list[Checkpoint], layers: list[QuantizedLayerCache]) -> list[Checkpoint]:
     """The first checkpoint (the end of the system prompt: the window will move past it),
-    and the later ones the layers can no longer rewind to by themselves. A later one the
-    layers still reach is dropped: the next request can only diverge there by rewinding,
-    and any request that goes further takes a newer turn end instead."""
+    and the later ones the layers can no longer rewind to exactly by themselves: a window
+    has moved past it, or a per-channel key block around it has been quantized since (a
+    prefill ahead often closes one with tokens the next prompt does not share). A later one
+    the layers still reach exactly is dropped: the next request can only diverge there by
+    rewinding, and any request that goes further takes a newer turn end instead."""
     first, rest = checkpoints[:1], checkpoints[1:]
-    return first + [c for c in rest if not all(layer.can_rewind_to(c.position) for layer in layers)]
+    return first + [c for c in rest if not all(_reaches(layer, c.position) for layer in layers)]
+
+
+def _reaches(layer: QuantizedLayerCache, position: int) -> bool:
+    """Whether ``layer`` can be cut back to ``position`` and hold what a prefill to there holds."""
+    return layer.can_rewind_to(position) and layer.exact_rewind_point(position) == position
 
 
 def retained(checkpoints: list[Checkpoint], new: Checkpoint) -> list[Checkpoint]:
