@@ -4,8 +4,11 @@
 from __future__ import annotations
 
 import json
+import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import kvshelf  # noqa: F401  (OpenBLAS before mlx)
 from kvbench.common import drop_from_page_cache, prompt_of_tokens  # noqa: F401  (re-exported)
@@ -19,3 +22,15 @@ def write_json(name: str, data: dict) -> Path:
     path = RESULTS / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}.json"
     path.write_text(json.dumps({"machine": describe(), **data}, indent=2))
     return path
+
+
+def median_ms(fn: Callable[[], Any], repeats: int, warmup: int = 2) -> float:
+    """The median of ``repeats`` timed calls of ``fn`` in ms, after ``warmup`` untimed ones
+    (the first calls pay for allocation and, in MLX, for building kernels)."""
+    times = []
+    for i in range(warmup + repeats):
+        t = time.perf_counter()
+        fn()
+        if i >= warmup:
+            times.append((time.perf_counter() - t) * 1e3)
+    return statistics.median(times)

@@ -37,10 +37,10 @@ import kvshelf  # noqa: F401  (preloads OpenBLAS, which must come before mlx)
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-from common import write_json
+from common import median_ms, write_json
 from decode import build_model, engine_forward
 
-from kvbench.decode_steps import bandwidth_gbs, fill
+from kvbench.decode_steps import bandwidth_gbs, cache_arrays, fill
 from kvshelf.kv.agent_cache import AgentCache
 from kvshelf.kv.schemes import DEFAULT_SCHEME, SCHEMES
 from kvshelf.kv.working_set import WorkingSets
@@ -49,14 +49,9 @@ from kvshelf.model.head import ProjectedModel, buffer_view, system_sgemv
 from kvshelf.model.spec import ModelCacheSpec
 
 
-def median_ms(fn: Callable[[], Any], repeats: int, warmup: int = 1) -> float:
-    times = []
-    for i in range(warmup + repeats):
-        t = time.perf_counter()
-        fn()
-        if i >= warmup:
-            times.append((time.perf_counter() - t) * 1e3)
-    return round(statistics.median(times), 1)
+def timed(fn: Callable[[], Any], repeats: int) -> float:
+    """One warm-up call, then the median in ms to 0.1 ms (the profile's rows)."""
+    return round(median_ms(fn, repeats, warmup=1), 1)
 
 
 def profile(name: str, context: int, batches: list[int], repeats: int) -> list[dict[str, Any]]:
@@ -79,7 +74,9 @@ def profile(name: str, context: int, batches: list[int], repeats: int) -> list[d
         keys = list(range(batch))
         x = mx.array([[1]] * batch)
         out: dict[str, Any] = {"model": name, "context": context, "batch": batch}
-        state = lambda: [a for layers in members for c in layers for a in _arrays(c)]  # noqa: E731
+
+        def state(members: list[list[Any]] = members) -> list[mx.array]:
+            return [a for layers in members for c in layers for a in cache_arrays(c)]
 
         def step(forward: Any) -> Callable[[], None]:
             def run() -> None:
@@ -89,9 +86,9 @@ def profile(name: str, context: int, batches: list[int], repeats: int) -> list[d
             return run
 
         for kind, forward in forwards.items():
-            out[f"step_{kind}_ms"] = median_ms(step(forward), repeats)
+            out[f"step_{kind}_ms"] = timed(step(forward), repeats)
             body = getattr(forward, "body", model.model)
-            out[f"body_{kind}_ms"] = median_ms(step(lambda x, cache: body(x, cache)[:, :, :8]), repeats)
+            out[f"body_{kind}_ms"] = timed(step(lambda x, cache: body(x, cache)[:, :, :8]), repeats)
 
         built: list[float] = []
 
@@ -101,7 +98,7 @@ def profile(name: str, context: int, batches: list[int], repeats: int) -> list[d
             built.append((time.perf_counter() - t) * 1e3)
             mx.eval(h, state(), ws.arrays())
 
-        out["body_lazy_ms"] = median_ms(body_lazy, repeats)
+        out["body_lazy_ms"] = timed(body_lazy, repeats)
         out["body_graph_build_ms"] = round(statistics.median(built[1:]), 1)
 
         caches = ws.caches(keys, members)
@@ -126,13 +123,13 @@ def profile(name: str, context: int, batches: list[int], repeats: int) -> list[d
                 fetched.append(c.update_and_fetch(k, v))
             mx.eval(fetched, masks, state(), ws.arrays())
 
-        out["working_set_update_fetch_and_masks_ms"] = median_ms(cache_path, repeats)
+        out["working_set_update_fetch_and_masks_ms"] = timed(cache_path, repeats)
 
         def masks_only() -> None:
             cs = ws.caches(keys, members)
             mx.eval([cs[0].make_mask(1, window_size=window), cs[-1].make_mask(1)])
 
-        out["masks_ms"] = median_ms(masks_only, repeats)
+        out["masks_ms"] = timed(masks_only, repeats)
         heads = getattr(model.model.layers[0].self_attn, "n_heads", 1)
         queries = [mx.random.normal((batch, heads, 1, k.shape[-1])) for k, _ in fetched]
         mx.eval(queries)
@@ -146,32 +143,32 @@ def profile(name: str, context: int, batches: list[int], repeats: int) -> list[d
                 outs.append(mx.fast.scaled_dot_product_attention(q, k, v, scale=1.0, mask=mask))
             mx.eval(outs)
 
-        out["attention_ms"] = median_ms(attention, repeats)
+        out["attention_ms"] = timed(attention, repeats)
         del caches
 
         inputs = [mx.random.normal((batch, 1, m.weight.shape[1])) for m in linears]
         mx.eval(inputs)
-        out["linears_mlx_ms"] = median_ms(lambda: mx.eval([m(r) for m, r in zip(linears, inputs)]), repeats)
+        out["linears_mlx_ms"] = timed(lambda: mx.eval([m(r) for m, r in zip(linears, inputs)]), repeats)
         if gemm is not None:
             views = [buffer_view(m.weight) for m in linears]
             rows_np = [np.asarray(r).reshape(batch, -1) for r in inputs]
-            out["linears_blis_ms"] = median_ms(lambda: [gemm(r, w) for r, w in zip(rows_np, views)], repeats)
+            out["linears_blis_ms"] = timed(lambda: [gemm(r, w) for r, w in zip(rows_np, views)], repeats)
         hidden = mx.random.normal((batch, 1, spec_hidden(model)))
         mx.eval(hidden)
         if isinstance(head, ProjectedModel):
-            out["head_mlx_ms"] = median_ms(lambda: mx.eval(head._project(hidden)), repeats)
+            out["head_mlx_ms"] = timed(lambda: mx.eval(head._project(hidden)), repeats)
             weight = head.weight_view()
             h_np = np.asarray(hidden).reshape(batch, -1)
             if gemm is not None:
-                out["head_blis_ms"] = median_ms(lambda: gemm(h_np, weight), repeats)
+                out["head_blis_ms"] = timed(lambda: gemm(h_np, weight), repeats)
             if batch == 1 and sgemv is not None:
-                out["head_sgemv_ms"] = median_ms(lambda: sgemv(weight, h_np[0]), repeats)
+                out["head_sgemv_ms"] = timed(lambda: sgemv(weight, h_np[0]), repeats)
             logits = head._project(hidden)[:, -1]
             mx.eval(logits)
-            out["choose_per_member_ms"] = median_ms(
+            out["choose_per_member_ms"] = timed(
                 lambda: [int(mx.argmax(logits[b], axis=-1)) for b in range(batch)], repeats
             )
-            out["choose_batched_ms"] = median_ms(lambda: mx.argmax(logits, axis=-1).tolist(), repeats)
+            out["choose_batched_ms"] = timed(lambda: mx.argmax(logits, axis=-1).tolist(), repeats)
         pieces = ", ".join(f"{k} {v}" for k, v in out.items() if k.endswith("ms"))
         print(f"{name} at {context}, batch {batch}: {pieces}")
         rows.append(out)
@@ -180,17 +177,6 @@ def profile(name: str, context: int, batches: list[int], repeats: int) -> list[d
 
 def spec_hidden(model: nn.Module) -> int:
     return int(model.model.embed_tokens.weight.shape[1])
-
-
-def _arrays(c: Any) -> list[mx.array]:
-    out: list[mx.array] = []
-    for name in ("keys", "values", "k_tail", "sink_k", "sink_v"):
-        x = getattr(c, name, None)
-        if isinstance(x, tuple):
-            out.extend(x)
-        elif isinstance(x, mx.array):
-            out.append(x)
-    return out
 
 
 def main() -> None:

@@ -24,8 +24,6 @@ Run it through the exclusive benchmark lock; a figure taken under other load is 
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -35,7 +33,7 @@ import kvshelf  # noqa: F401  (preloads OpenBLAS, which must come before mlx)
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-from common import write_json
+from common import median_ms, write_json
 from decode import build_model
 from mlx_lm.models.cache import make_prompt_cache
 
@@ -46,16 +44,6 @@ from kvshelf.kv.working_set import WorkingSets
 from kvshelf.model.gemv import with_fast_linears
 from kvshelf.model.head import buffer_view, system_sgemv, with_fast_head
 from kvshelf.model.spec import ModelCacheSpec
-
-
-def median_ms(fn: Callable[[], Any], repeats: int, warmup: int = 2) -> float:
-    times = []
-    for i in range(warmup + repeats):
-        t = time.perf_counter()
-        fn()
-        if i >= warmup:
-            times.append((time.perf_counter() - t) * 1e3)
-    return statistics.median(times)
 
 
 def layer_linears(model: nn.Module) -> list[nn.Linear]:

@@ -292,17 +292,23 @@ def test_2_kill_9_moves_a_nodes_agents_warm_and_the_client_sees_no_failure(share
 def test_2_haproxy_itself_sends_a_killed_nodes_request_to_another_node(shared):
     """No client retry: the first request after the kill, before HAProxy's health check
     can have seen the node go, is answered (a refused connection is retried elsewhere)."""
-    plain = openai.OpenAI(base_url=shared.balancer.url + "/v1", api_key="unused", max_retries=0, timeout=120)
-    talks = [Conversation(plain, f"redispatched-{i:02d}") for i in range(6)]
+    _kill_a_node_and_turn_its_agents_again(shared, shared.balancer.url, "redispatched")
+
+
+def _kill_a_node_and_turn_its_agents_again(shared: SharedCluster, balancer_url: str, prefix: str) -> None:
+    """Six agents take a turn through the balancer with a client that never retries; the
+    node of the first is killed, and each of its agents' next turn must be answered warm
+    by another node (a 5xx or a dropped connection raises)."""
+    plain = openai.OpenAI(base_url=balancer_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    talks = [Conversation(plain, f"{prefix}-{i:02d}") for i in range(6)]
     for talk in talks:
         talk.turn()
     victim = shared.node(talks[0].nodes[0])
     assert victim.proc is not None
     victim.proc.kill()
     victim.proc.wait(30)
-    moved = [t for t in talks if t.nodes[0] == victim.name]
-    for talk in moved:
-        reply = talk.turn()  # raises on a 5xx or a dropped connection: nothing retries here
+    for talk in [t for t in talks if t.nodes[0] == victim.name]:
+        reply = talk.turn()
         assert talk.nodes[-1] != victim.name and reply.model_extra["kvshelf"]["cache"] == "warm"
 
 
@@ -312,17 +318,7 @@ def test_nginx_sends_a_killed_nodes_request_to_another_node(shared, tmp_path):
     the next node on the ring, which restores the agent from the store."""
     balancer = Nginx(shared.nodes, tmp_path)
     try:
-        plain = openai.OpenAI(base_url=balancer.url + "/v1", api_key="unused", max_retries=0, timeout=120)
-        talks = [Conversation(plain, f"nginx-killed-{i:02d}") for i in range(6)]
-        for talk in talks:
-            talk.turn()
-        victim = shared.node(talks[0].nodes[0])
-        assert victim.proc is not None
-        victim.proc.kill()
-        victim.proc.wait(30)
-        for talk in [t for t in talks if t.nodes[0] == victim.name]:
-            reply = talk.turn()  # raises on a 5xx or a dropped connection
-            assert talk.nodes[-1] != victim.name and reply.model_extra["kvshelf"]["cache"] == "warm"
+        _kill_a_node_and_turn_its_agents_again(shared, balancer.url, "nginx-killed")
     finally:
         balancer.stop()
 

@@ -61,10 +61,11 @@ def fill(layers: list[Any], spec: ModelCacheSpec, context: int, seed: int) -> No
             k = mx.random.normal((1, layer.kv_heads, n, layer.k_head_dim), key=k1)
             v = mx.random.normal((1, layer.kv_heads, n, layer.v_head_dim), key=k2)
             c.update_and_fetch(k, v)
-            mx.eval([x for x in _state(c) if x is not None])
+            mx.eval([x for x in cache_arrays(c) if x is not None])
 
 
-def _state(c: Any) -> list[mx.array]:
+def cache_arrays(c: Any) -> list[mx.array]:
+    """Every array one layer cache holds (its blocks, open tail and sinks), to evaluate or count."""
     out: list[mx.array] = []
     for name in ("keys", "values", "k_tail", "sink_k", "sink_v"):
         x = getattr(c, name, None)
@@ -93,11 +94,11 @@ def step_ms(
             caches = agents[0] if batch == 1 else batch_views(agents)
         logits = model(x, cache=caches)[:, -1]
         token = mx.argmax(logits, axis=-1)
-        mx.eval(token, [a for layers in agents for c in layers for a in _state(c)], ws.arrays())
+        mx.eval(token, [a for layers in agents for c in layers for a in cache_arrays(c)], ws.arrays())
         if i >= warmup:
             times.append((time.perf_counter() - t) * 1e3)
     return times, ws.nbytes
 
 
 def kv_bytes(agents: list[list[Any]]) -> int:
-    return sum(a.nbytes for layers in agents for c in layers for a in _state(c))
+    return sum(a.nbytes for layers in agents for c in layers for a in cache_arrays(c))
