@@ -27,7 +27,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TextIO
 
-from kvshelf.cli import from_ctrl_c
+from kvshelf.cli import from_ctrl_c, raise_if_ctrl_c_was_pressed
 from kvshelf.runtime.engine import ChatResult, Engine
 from kvshelf.runtime.params import GenerationParams
 
@@ -292,6 +292,7 @@ def _speak(engine: Engine, console: Console, agent: str, minutes: str, turn: int
     speaker = f"  {SPEAKERS[agent]}: " + (f"\033[2m{opening}\033[0m" if console.tty else opening)
     try:
         for item in stream:
+            raise_if_ctrl_c_was_pressed()
             if speaker:  # the speaker's line starts with its first words, after any progress note
                 console.write(speaker)
                 speaker = ""
@@ -321,6 +322,7 @@ def run_demo(
     console = Console(out)
     engine = Engine(model=model, cache_dir=cache_dir, budget=budget, prefill_chunk=PREFILL_CHUNK)
     try:
+        raise_if_ctrl_c_was_pressed()  # during the load, where its exception can be lost
         return _round_table(engine, console, turns, max_tokens, fresh)
     except BaseException as exc:
         if not from_ctrl_c(exc):  # a library may turn the KeyboardInterrupt into another exception
@@ -382,6 +384,17 @@ def _round_table(engine: Engine, console: Console, turns: int, max_tokens: int, 
     counts = {"hot": 0, "warm": 0, "cold": 0}
     ttfts: dict[str, list[float]] = {"hot": [], "warm": [], "cold": []}
     for turn in range(first_turn, first_turn + turns):
+        used = _longest_minutes(engine, minutes) if not spoken else 0
+        fresh_minutes = _longest_minutes(engine, _new_state()["minutes"])
+        if used > fresh_minutes and used + _round_room(max_tokens) > engine.loaded.context_length:
+            console.write(
+                f"the minutes ({used} tokens) no longer leave room for a round in the model's context "
+                f"({engine.loaded.context_length} tokens): the council starts a new meeting\n"
+            )
+            for agent in AGENTS:
+                engine.forget(f"demo-{agent}")
+            state = _new_state()
+            minutes, spoken = state["minutes"], state["spoken"]
         console.write(f"round {turn}\n")
         if turn > 1 and not spoken:
             for other in AGENTS:
@@ -412,6 +425,17 @@ def _round_table(engine: Engine, console: Console, turns: int, max_tokens: int, 
     console.write(f"total wall time {wall:.1f} s; requests by cache source: {counts}\n")
     console.write("median ttft: " + ", ".join(f"{k} {v * 1000:.0f} ms" for k, v in medians.items()) + "\n")
     return summary
+
+
+def _longest_minutes(engine: Engine, minutes: dict[str, str]) -> int:
+    """Tokens of the longest agent's minutes (what its next prompt starts with)."""
+    return max(len(engine.loaded.tokenizer.encode(text)) for text in minutes.values())
+
+
+def _round_room(max_tokens: int) -> int:
+    """Tokens one round may add to an agent's minutes: the chair's words and every
+    agent's speech (its opening and speaker tag too), with a margin."""
+    return len(AGENTS) * (max_tokens + 64) + 256
 
 
 def _save_state(path: Path, state: dict[str, Any]) -> None:

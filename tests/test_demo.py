@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import json
 import os
 import signal
 import subprocess
@@ -13,6 +14,7 @@ import time
 import pytest
 
 from kvshelf.demo import AGENTS, Console, _after_sentences, run_demo
+from kvshelf.model.loader import load
 from tests.support import REPO_ROOT
 from tests.support.tiny import make_tiny_model_dir
 
@@ -24,6 +26,23 @@ def test_demo_second_run_restores_every_agent(tiny_dirs, tmp_path, capsys):
     assert second["requests"] == {"hot": 0, "warm": len(AGENTS), "cold": 0}
     out = capsys.readouterr().out
     assert "continuing the conversation at round 3" in out and out.count("[warm | cached ") == len(AGENTS)
+
+
+def test_a_meeting_whose_minutes_outgrow_the_context_starts_over_instead_of_failing(tiny_dirs, tmp_path, capsys):
+    run_demo(model=str(tiny_dirs["gemma3_text"]), cache_dir=tmp_path, turns=1, max_tokens=4)
+    state_file = tmp_path / "demo-state.json"
+    state = json.loads(state_file.read_text())
+    context = load(str(tiny_dirs["gemma3_text"])).context_length
+    filler = "The council heard a long report on the state of the roads. " * (context // 12)
+    state["minutes"] = {agent: text + filler for agent, text in state["minutes"].items()}
+    state_file.write_text(json.dumps(state))  # as if many earlier runs had filled the minutes
+    capsys.readouterr()
+    again = run_demo(model=str(tiny_dirs["gemma3_text"]), cache_dir=tmp_path, turns=1, max_tokens=4)
+    out = capsys.readouterr().out
+    assert "no longer leave room for a round" in out and "the council starts a new meeting" in out
+    assert again["requests"] == {"hot": 0, "warm": 0, "cold": len(AGENTS)}  # the old caches were dropped
+    minutes = json.loads(state_file.read_text())["minutes"]
+    assert "round 2" in out and all(filler not in text for text in minutes.values())
 
 
 def test_demo_streams_each_reply_beside_its_cache_figures(tiny_dirs, tmp_path, capsys):
