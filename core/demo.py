@@ -383,9 +383,9 @@ def _round_table(engine: Engine, console: Console, turns: int, max_tokens: int, 
     t0 = time.perf_counter()
     counts = {"hot": 0, "warm": 0, "cold": 0}
     ttfts: dict[str, list[float]] = {"hot": [], "warm": [], "cold": []}
+    fresh_minutes = _longest_minutes(engine, _new_state()["minutes"])  # a new meeting's, before any round
     for turn in range(first_turn, first_turn + turns):
         used = _longest_minutes(engine, minutes) if not spoken else 0
-        fresh_minutes = _longest_minutes(engine, _new_state()["minutes"])
         if used > fresh_minutes and used + _round_room(max_tokens) > engine.loaded.context_length:
             console.write(
                 f"the minutes ({used} tokens) no longer leave room for a round in the model's context "

@@ -264,6 +264,16 @@ class Stamp(NamedTuple):
     """A delete's mark in a shared store: the agent is gone, and no older writer may come back."""
 
 
+def encode_tombstone(
+    agent_id: str, model_fingerprint: str, generation: int, node_id: str | None
+) -> list[bytes | memoryview]:
+    """The record a delete leaves in a shared store: no tokens, marked a tombstone, at
+    ``generation`` (so no stale writer gets past it); the agent starts cold above it."""
+    return encode(
+        CacheRecord(tokens=[]), agent_id, model_fingerprint, generation=generation, node_id=node_id, tombstone=True
+    )
+
+
 def _stamp(metadata: Mapping[str, str]) -> Stamp:
     generation = metadata.get(_K_GENERATION, "0")
     if not generation.isdigit():

@@ -586,14 +586,7 @@ class RecordStore:
                     self._remember(agent_id, Version(_etag(st), stamp.generation) if st else _ABSENT)
                 else:
                     generation = max(stamp.generation if stamp else 0, known.generation if known else 0) + 1
-                    chunks = codec.encode(
-                        CacheRecord(tokens=[]),
-                        agent_id,
-                        self.model_fingerprint,
-                        generation=generation,
-                        node_id=self.node_id,
-                        tombstone=True,
-                    )
+                    chunks = codec.encode_tombstone(agent_id, self.model_fingerprint, generation, self.node_id)
                     _, written = self._write_atomically(agent_id, path, chunks)
                     self._remember(agent_id, Version(_etag(written), generation))
                     if st is not None:

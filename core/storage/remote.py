@@ -256,7 +256,7 @@ class RemoteRecordStore(RecordStore):
             self._call(self.backend.overwrite, target + ".reason", [note.encode()])
             known = self.version(aid)
             generation = (known.generation if known is not None else 0) + 1
-            tomb = self._tombstone_parts(aid, generation)
+            tomb = codec.encode_tombstone(aid, self.model_fingerprint, generation, self.node_id)
             head = self._call(self.backend.put, key, tomb, etag)
             self._remember(aid, Version(head.etag, generation))
         except Changed:
@@ -275,17 +275,6 @@ class RemoteRecordStore(RecordStore):
             target + RECORD_SUFFIX,
         )
         return target + RECORD_SUFFIX
-
-    def _tombstone_parts(self, aid: str, generation: int) -> list[bytes | memoryview]:
-        """An empty record marked "no usable record": the agent starts cold, above ``generation``."""
-        return codec.encode(
-            CacheRecord(tokens=[]),
-            aid,
-            self.model_fingerprint,
-            generation=generation,
-            node_id=self.node_id,
-            tombstone=True,
-        )
 
     def quarantine(self, agent_id: str, reason: str) -> Path | None:
         aid = _id_of(self.path_for(agent_id))
@@ -314,7 +303,7 @@ class RemoteRecordStore(RecordStore):
                     return []
                 known = self.version(aid)
                 generation = max(stamped[1].generation if stamped else 0, known.generation if known else 0) + 1
-                tomb = self._tombstone_parts(aid, generation)
+                tomb = codec.encode_tombstone(aid, self.model_fingerprint, generation, self.node_id)
                 try:
                     head = self._call(self.backend.put, key, tomb, stamped[2].etag if stamped else None)
                 except Changed:
