@@ -1,7 +1,8 @@
 """``kvshelf doctor``: what a user needs to know before blaming the model for being slow.
 
-It reports the BLAS behind MLX's CPU matmuls and its measured fp32 GFLOP/s (the one
-thing that makes a first turn take seconds or minutes), the MLX device, the converted
+It reports the BLAS behind MLX's CPU matmuls, which OpenBLAS candidate was loaded (the
+override, the system's, the ``kvshelf[openblas]`` extra: ``kvshelf.model.blas``) and the
+measured fp32 GFLOP/s (the one thing that makes a first turn take seconds or minutes), the MLX device, the converted
 model cache, the agent store, and which optional extras are installed. It loads no
 model, so it answers in a couple of seconds. Exit status 1 when something makes
 kvshelf slow or unusable (the reference BLAS), else 0.
@@ -15,7 +16,7 @@ import sys
 from pathlib import Path
 from typing import TextIO
 
-from kvshelf.model import blas_check
+from kvshelf.model import blas, blas_check
 from kvshelf.paths import default_cache_dir, kvshelf_home, models_dir
 
 EXTRAS = {
@@ -24,6 +25,7 @@ EXTRAS = {
     "crewai": ("crewai",),
     "langchain": ("langchain_core", "langchain"),
     "bench": ("matplotlib",),
+    "openblas": ("ngsolve_openblas",),
 }
 
 # Below this, CPU prefill is dominated by BLAS (the reference BLAS gives 1-2 GFLOP/s).
@@ -60,6 +62,9 @@ def run_doctor(cache_dir: Path | None = None, out: TextIO | None = None) -> int:
     info = blas_check.detect()
     gflops = blas_check.measure_gflops()
     say("BLAS", info.line().removeprefix("BLAS: "))
+    if (config := blas.openblas_config()) is not None:
+        say("build", config)
+    say("candidates", blas_check.candidates_line())
     say("matmul", f"{gflops:.1f} GFLOP/s fp32 (512x512, CPU)")
     if (warning := blas_check.warning_line(info)) is not None:
         print(warning, file=stream)

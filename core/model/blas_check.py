@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass
 from typing import TextIO
 
-from kvshelf.model import blas
+from kvshelf.model import blas, pip_openblas
 
 
 @dataclass(frozen=True)
@@ -36,11 +36,13 @@ class BlasInfo:
     name: str  # "OpenBLAS", "Accelerate", "reference BLAS (netlib, bundled with mlx)", ...
     path: str | None  # the library file, where one is known
     slow: bool  # True for the reference BLAS: expect 50-100x slower CPU matmuls
+    source: str | None = None  # which candidate kvshelf.model.blas loaded: KVSHELF_OPENBLAS, system, kvshelf[openblas]
 
     def line(self) -> str:
         """One line for the start of a command."""
         where = f" ({self.path})" if self.path else ""
-        return f"BLAS: {self.name}{where}"
+        source = f", from {self.source}" if self.source else ""
+        return f"BLAS: {self.name}{where}{source}"
 
 
 class _DlInfo(ctypes.Structure):
@@ -91,15 +93,37 @@ def detect() -> BlasInfo:
     name = _name_of(path)
     if name == "a system BLAS" and "libblas" in os.path.basename(path) and "openblas" not in path:
         return BlasInfo("reference BLAS (netlib, system)", path, slow=True)
-    return BlasInfo(name, path, slow=False)
+    loaded = os.path.realpath(blas.loaded_path) if blas.loaded_path else None
+    return BlasInfo(name, path, slow=False, source=blas.loaded_source if loaded == path else None)
+
+
+def extra_would_work() -> bool:
+    """Whether ``kvshelf[openblas]`` would load here: Linux x86-64, the CPU's instruction sets,
+    and a GNU Fortran runtime (the system's, or the one the mlx[cpu] wheel bundles)."""
+    if not sys.platform.startswith("linux") or platform.machine() not in ("x86_64", "AMD64"):
+        return False
+    if not pip_openblas.NEEDED_FLAGS <= pip_openblas.cpu_flags():
+        return False
+    return pip_openblas.system_fortran_runtime_loads() or pip_openblas.bundled_fortran_runtime() is not None
 
 
 def fix_for_this_os() -> str:
-    """The one command that gets a fast BLAS here."""
+    """The command that gets a fast BLAS here (and the pip route, where it would work)."""
     if os.environ.get("KVSHELF_NO_OPENBLAS", "").lower() in ("1", "true", "yes"):
         return "unset KVSHELF_NO_OPENBLAS (it turns the OpenBLAS preload off)"
-    if "mlx.core" in sys.modules and blas.loaded_path is None and blas.installed_path() is not None:
+    if blas.mlx_first:
         return "import kvshelf before mlx (OpenBLAS must be loaded before mlx.core)"
+    if blas.env_on("KVSHELF_NO_SYSTEM_OPENBLAS") and blas.installed_path() is not None:
+        return "unset KVSHELF_NO_SYSTEM_OPENBLAS (the system's OpenBLAS is installed, and it skips it)"
+    system = _system_fix()
+    if blas.extra_refused is not None:
+        return f"{system} (kvshelf[openblas] is installed but was not loaded: {blas.extra_refused})"
+    if extra_would_work():
+        return f"{system}, or without sudo: {pip_openblas.EXTRA}"
+    return system
+
+
+def _system_fix() -> str:
     os_id = _os_release().get("ID", "")
     like = _os_release().get("ID_LIKE", "")
     if os_id in ("debian", "ubuntu") or "debian" in like:
@@ -111,6 +135,24 @@ def fix_for_this_os() -> str:
     if os_id in ("opensuse-leap", "opensuse-tumbleweed", "sles") or "suse" in like:
         return "sudo zypper install libopenblas_pthreads0"
     return "install your distribution's OpenBLAS (libopenblas) package"
+
+
+def candidates_line() -> str:
+    """Each OpenBLAS candidate in ``kvshelf.model.blas``'s order, and which one was loaded."""
+    override = os.environ.get(blas.OVERRIDE)
+    extra = pip_openblas.installed_file()
+    if extra is None:
+        extra_state = "not installed" + (f" (would work here: {pip_openblas.EXTRA})" if extra_would_work() else "")
+    elif blas.extra_refused is not None:
+        extra_state = f"{pip_openblas.DISTRIBUTION} {pip_openblas.version()}, refused: {blas.extra_refused}"
+    else:
+        extra_state = f"{pip_openblas.DISTRIBUTION} {pip_openblas.version()}"
+    parts = [
+        f"{blas.OVERRIDE} {override or 'unset'}",
+        f"system {blas.installed_path() or 'not installed'}",
+        f"kvshelf[openblas] {extra_state}",
+    ]
+    return "; ".join(parts) + f" -> loaded: {blas.loaded_source or 'none'}"
 
 
 def _os_release() -> dict[str, str]:
