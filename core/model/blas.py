@@ -149,7 +149,7 @@ def load_openblas(cpuinfo: str | None = None) -> str | None:
     if override := os.environ.get(OVERRIDE):
         if (error := _try_load(override)) is None:
             return _loaded(override, SOURCE_OVERRIDE)
-        _say(f"{OVERRIDE}={override} was not loaded ({error}); trying the other OpenBLAS candidates.")
+        _say(f"{OVERRIDE}={override} is not used ({error}); trying the other OpenBLAS candidates.")
     if not env_on("KVSHELF_NO_SYSTEM_OPENBLAS"):
         for path in OPENBLAS_CANDIDATES:
             if os.path.exists(path) and _try_load(path) is None:

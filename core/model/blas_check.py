@@ -114,8 +114,9 @@ def fix_for_this_os() -> str:
     if blas.mlx_first:
         return "import kvshelf before mlx (OpenBLAS must be loaded before mlx.core)"
     if blas.env_on("KVSHELF_NO_SYSTEM_OPENBLAS") and blas.installed_path() is not None:
-        return "unset KVSHELF_NO_SYSTEM_OPENBLAS (the system's OpenBLAS is installed, and it skips it)"
-    system = _system_fix()
+        system = "unset KVSHELF_NO_SYSTEM_OPENBLAS (the system's OpenBLAS is installed, and it skips it)"
+    else:
+        system = _system_fix()
     if blas.extra_refused is not None:
         return f"{system} (kvshelf[openblas] is installed but was not loaded: {blas.extra_refused})"
     if extra_would_work():
