@@ -26,6 +26,7 @@ from pathlib import Path
 CANDIDATES = {
     "system OpenBLAS": {},
     "kvshelf[openblas]": {"KVSHELF_NO_SYSTEM_OPENBLAS": "1"},
+    "kvshelf[openblas] 1 thread": {"KVSHELF_NO_SYSTEM_OPENBLAS": "1", "OPENBLAS_NUM_THREADS": "1"},
     "reference BLAS": {"KVSHELF_NO_OPENBLAS": "1"},
 }
 
@@ -80,7 +81,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = parser.parse_args()
     result: dict = {"load_start": loadavg(), "tokens": args.tokens, "model": args.model, "candidates": {}}
-    base = {k: v for k, v in os.environ.items() if k not in ("KVSHELF_NO_OPENBLAS", "KVSHELF_OPENBLAS")}
+    unset = ("KVSHELF_NO_OPENBLAS", "KVSHELF_OPENBLAS", "OPENBLAS_NUM_THREADS")
+    base = {k: v for k, v in os.environ.items() if k not in unset}
     for name, env in CANDIDATES.items():
         done = subprocess.run(
             [sys.executable, "-c", CHILD, args.model, str(args.tokens), str(args.seconds)],
@@ -97,13 +99,13 @@ def main() -> None:
         result["candidates"][name] = figures
     result["load_end"] = loadavg()
     print(f"load average at start {result['load_start']}, at end {result['load_end']}")
-    print(f"{'candidate':<20s} {'GFLOP/s':>8s} {'1 thread':>8s} {'TTFT s':>8s} {'floor s':>8s}  library / build")
+    print(f"{'candidate':<27s} {'GFLOP/s':>8s} {'1 thread':>8s} {'TTFT s':>8s} {'floor s':>8s}  library / build")
     for name, f in result["candidates"].items():
         if "error" in f:
-            print(f"{name:<20s} error: {f['error']}")
+            print(f"{name:<27s} error: {f['error']}")
             continue
         print(
-            f"{name:<20s} {f['gflops']:8.1f} {f['gflops_1_thread'] or 0:8.1f} {f['ttft_s']:8.2f} {f['floor_s']:8.2f}  "
+            f"{name:<27s} {f['gflops']:8.1f} {f['gflops_1_thread'] or 0:8.1f} {f['ttft_s']:8.2f} {f['floor_s']:8.2f}  "
             f"{f['provider'] or 'bundled with mlx'} / {f['build'] or '-'}"
         )
     print(f"(first-token time of a new agent on a cold {args.tokens}-token prompt, {args.model} model)")
