@@ -117,10 +117,15 @@ def _load_extra(cpuinfo: str | None) -> str | None:
         return None
     why = pip_openblas.check(path, cpuinfo)
     if why is None:
-        target = pip_openblas.loadable_path(path, kvshelf_home() / "openblas")
-        if (error := _try_load(target)) is None:
-            return _loaded(target, SOURCE_EXTRA)
-        why = f"it did not load ({error})"
+        home = kvshelf_home() / "openblas"
+        try:
+            target = pip_openblas.loadable_path(path, home)
+        except OSError as e:  # the symlinks to the mlx wheel's Fortran runtime could not be made
+            why = f"no {pip_openblas.FORTRAN_RUNTIME} here, and none could be linked in {home} ({e})"
+        else:
+            if (error := _try_load(target)) is None:
+                return _loaded(target, SOURCE_EXTRA)
+            why = f"it did not load ({error})"
     extra_refused = why
     _say(
         f"the OpenBLAS of kvshelf[openblas] ({path}) was not loaded: {why}. MLX uses its slow reference BLAS; "
