@@ -294,8 +294,9 @@ def test_langgraph_supervisor_keeps_one_id_across_processes(tiny_dirs, tmp_path)
     """The supervisor names no agent and offers handoff tools in ``set`` order, which
     follows ``PYTHONHASHSEED``: it still gets one id, and a second process reads its cache."""
     code = SUPERVISOR.format(model=str(tiny_dirs["gemma3_text"]), cache=str(tmp_path))
-    runs = [run_in_subprocess(code, env={"PYTHONHASHSEED": str(seed)}) for seed in (1, 2, 3)]
-    assert len({tuple(r["set_order"]) for r in runs}) > 1  # the tools really came in other orders
+    # two processes are enough: seeds 1 and 2 order the five names differently (asserted)
+    runs = [run_in_subprocess(code, env={"PYTHONHASHSEED": str(seed)}) for seed in (1, 2)]
+    assert len({tuple(r["set_order"]) for r in runs}) == len(runs)  # the tools really came in another order
     assert len({r["agent_id"] for r in runs}) == 1 and runs[0]["agent_id"].startswith("anon-")
     assert runs[0]["cache"] == "cold"
     for later in runs[1:]:

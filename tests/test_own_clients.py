@@ -17,7 +17,7 @@ from types import SimpleNamespace
 import pytest
 
 from tests.support import REPO_ROOT
-from tests.support.servers import wait_up
+from tests.support.servers import SHORT_DRAIN, wait_up
 from tests.support.tiny import make_tiny_model_dir
 
 README_URL = "http://127.0.0.1:8000/v1"
@@ -49,7 +49,7 @@ def server(tmp_path_factory) -> Iterator[SimpleNamespace]:
     with log.open("w") as out:
         proc = subprocess.Popen(
             [sys.executable, "-m", "kvshelf.cli", "serve", "--model", str(model), "--cache-dir", str(root / "c")]
-            + ["--port", str(port), "--log-level", "info"],
+            + ["--port", str(port), "--log-level", "info", *SHORT_DRAIN],
             stdout=out,
             stderr=subprocess.STDOUT,
             cwd=REPO_ROOT,

@@ -24,7 +24,7 @@ import httpx
 import pytest
 
 import kvshelf  # noqa: F401  (OpenBLAS before mlx)
-from tests.support.servers import ServerThread, wait_up
+from tests.support.servers import SHORT_DRAIN, ServerThread, wait_up
 from tests.support.tiny import make_tiny_model_dir
 
 if TYPE_CHECKING:
@@ -443,6 +443,7 @@ def _start_cli_server(model_dir: Path, cache_dir: Path) -> tuple[subprocess.Pope
             str(cache_dir),
             "--port",
             str(port),
+            *SHORT_DRAIN,
         ],
         env=env,
         stdout=subprocess.PIPE,

@@ -30,7 +30,7 @@ from kvshelf.serving.server import create_app
 from kvshelf.storage import records as records_module
 from kvshelf.storage.index import INDEX_NAME
 from kvshelf.storage.records import RecordStore
-from tests.support.servers import wait_up
+from tests.support.servers import SHORT_DRAIN, wait_up
 from tests.support.tiny import make_tiny_model_dir
 
 FINGERPRINT = "3f" * 32
@@ -307,7 +307,7 @@ def start_server(model: Path, cache_dir: Path) -> tuple[subprocess.Popen, str]:
         port = s.getsockname()[1]
     command = [sys.executable, "-m", "kvshelf.cli", "serve", "--model", str(model), "--cache-dir", str(cache_dir)]
     proc = subprocess.Popen(
-        [*command, "--port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        [*command, *SHORT_DRAIN, "--port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
     return proc, f"http://127.0.0.1:{port}"
 

@@ -49,12 +49,20 @@ def wait_up(proc: subprocess.Popen, url: str, timeout: float = 60) -> None:
             time.sleep(0.1)
 
 
+SHORT_DRAIN = ("--drain-seconds", "0.1")
+"""For a ``kvshelf serve`` a test stops with SIGTERM without a load balancer to drain from:
+the drain window still opens and closes (the same code path), in 0.1 s rather than the
+default 3 s, which is only there for a balancer's health check (tests/test_cluster.py
+covers that)."""
+
+
 def start_node(model: Path, store: str, *extra: str) -> tuple[subprocess.Popen, str]:
     """A ``kvshelf serve`` subprocess on a free port over ``store`` (a path or URL); (process, base URL)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    command = [sys.executable, "-m", "kvshelf.cli", "serve", "--model", str(model), "--store", store, *extra]
+    command = [sys.executable, "-m", "kvshelf.cli", "serve", "--model", str(model), "--store", store, *SHORT_DRAIN]
+    command += extra
     proc = subprocess.Popen(
         [*command, "--port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO_ROOT
     )
