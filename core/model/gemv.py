@@ -59,7 +59,13 @@ ONE_ROW_SGEMV = False
 # what still does is attention (MLX's kernels, ~2e-7). Off by default (see
 # benchmarks/invariance.py for what it changes and costs); ``KVSHELF_SHAPE_INVARIANT=1``
 # turns it on for the models loaded afterwards.
-SHAPE_INVARIANT = os.environ.get("KVSHELF_SHAPE_INVARIANT", "").lower() in ("1", "true", "yes")
+_SWITCH = os.environ.get("KVSHELF_SHAPE_INVARIANT", "").lower()
+SHAPE_INVARIANT = _SWITCH in ("1", "true", "yes")
+# Requests at temperature 0 (and prefill-only ones, whose cache a greedy turn may extend)
+# run the shape-invariant kernels unless ``KVSHELF_SHAPE_INVARIANT=0``: the engine's
+# ``LoadedModel.greedy_forward``. Unset, the switch means exactly that: invariant at
+# temperature 0, the faster default kernels when sampling.
+GREEDY_INVARIANT = _SWITCH not in ("0", "false", "no")
 
 
 class GemvLinear(nn.Module):
