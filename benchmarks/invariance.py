@@ -68,7 +68,7 @@ def main() -> None:
     if args.model == "llama30":
         model = build_model("llama30")
         loaded = Bare(model, ModelCacheSpec.from_model(model), with_fast_linears(model))
-        prompts = random_prompts(args.conversations + args.others, args.max_tokens, model.args.vocab_size)
+        prompts = random_prompts(max(1, args.conversations) + args.others, args.max_tokens, model.args.vocab_size)
     else:
         loaded = load(args.model, progress=False)
     partial = RESULTS / f"invariance-partial-{time.strftime('%Y%m%d-%H%M%S')}.json"

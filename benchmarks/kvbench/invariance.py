@@ -212,19 +212,20 @@ def measure(
     """Every conversation through every path with each choice of ``kernels`` (``KERNELS``:
     "default", the engine's; "blis": every projection's rows through BLIS; "attention":
     ``kvshelf.model.attention``; "invariant": both), then the cost of each against the
-    current code; the summary and the rows. ``prompts``: token ids to use instead of the
-    reference-manual documents (a model without a tokenizer)."""
+    current code; the summary and the rows (``conversations`` 0: the cost alone).
+    ``prompts``: token ids to use instead of the reference-manual documents (a model
+    without a tokenizer)."""
     forwards = {k: loaded if k == "default" else with_kernels(loaded, *KERNELS[k]) for k in kernels}
     for k in kernels:  # no BLIS here (or it failed its check): those kernels are not what they say
         if KERNELS[k][0] and not getattr(forwards[k].forward, "_all_rows", False):
             forwards.pop(k)
     kernels = tuple(forwards)
     if prompts is None:
-        docs = documents(loaded.tokenizer, conversations + others, max_tokens, min_tokens)
+        docs = documents(loaded.tokenizer, max(1, conversations) + others, max_tokens, min_tokens)
         prompts = [loaded.tokenizer.encode_prompt(t) for t in docs.values()]
     rng = np.random.default_rng(0)
     lengths = np.linspace(min_tokens, max_tokens, conversations).astype(int)
-    convs, mates_from = prompts[:conversations], prompts[conversations:]
+    convs, mates_from = prompts[:conversations], prompts[max(1, conversations) :]
     rows = []
     t0 = time.perf_counter()
     for i, (ids, n) in enumerate(zip(convs, lengths)):
@@ -246,7 +247,8 @@ def measure(
     if "invariant" in forwards:
         variants[BLIS_ONLY] = forwards.get("blis") or with_kernels(loaded, True, False)
         variants[INVARIANT] = forwards["invariant"]
-    costs = cost(variants, convs[-1][: lengths[-1]], generate)
+    # the longest conversation's tokens (with no conversation, the cost alone: ``max_tokens``)
+    costs = cost(variants, convs[-1][: lengths[-1]] if convs else prompts[0][:max_tokens], generate)
 
     def of(kernel: str) -> dict:
         mine = [r for r in rows if r["kernels"] == kernel]
