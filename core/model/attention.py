@@ -30,6 +30,13 @@ from a buffer that starts at 0 or at its window gives the same bits, and grouped
 attention equals per-head attention bit for bit (a head is a row like any other).
 It is not MLX's function bit for bit (normalizing last, another summation order): it
 agrees with it to fp32 rounding (``tests/test_invariance.py``).
+
+Cost: a decode step's products are few (one tile of rows per KV head), but a prefill
+chunk's are many small ones (a 256-token chunk of Gemma 3: 128 tiles by each key block,
+twice), which OpenBLAS runs far below its speed on one large product; that, with BLIS's
+projections, is what the invariant kernels cost in prefill (README, "Measured here").
+BLIS, whose rows do not depend on their number up to 256, could take these products in
+larger pieces: not done yet.
 """
 
 from __future__ import annotations
