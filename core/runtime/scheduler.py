@@ -143,6 +143,7 @@ class Scheduler:
 
     def __init__(self, loaded: LoadedModel, shelf: Shelf, *, prefill_chunk: int = 256):
         self._loaded = loaded  # its forward, or its greedy_forward for requests at temperature 0
+        loaded.greedy_forward  # noqa: B018  (built now, its load-time checks included, not in the first request)
         self._tokenizer = loaded.tokenizer
         self._template_stops = list(loaded.template.stop_strings)
         self._shelf = shelf
