@@ -4,7 +4,12 @@ What it measures is in ``kvbench.invariance`` (also the Invariance section of
 ``kvshelf bench``).
 
     python benchmarks/invariance.py [--conversations 50] [--min-tokens 300] [--max-tokens 3000]
-        [--generate 64] [--others 3] [--model embedded] [--kernels default,blis]
+        [--generate 64] [--others 3] [--model embedded|llama30] [--kernels default,invariant]
+
+``--kernels``: any of default (the engine's), blis (every projection through BLIS),
+attention (``kvshelf.model.attention``), invariant (both: ``KVSHELF_SHAPE_INVARIANT``).
+``--model llama30``: the 30-layer llama of ``benchmarks/decode.py`` (random weights, so
+random token ids; its logits are close together, which makes it a harsh test).
 
 The default is the issue's 50 conversations of 300 to 3,000 tokens (about an hour here);
 a session runs a reduced size (e.g. ``--conversations 3 --max-tokens 1200``) and says so.
@@ -16,14 +21,35 @@ import argparse
 import json
 import os
 import time
+from dataclasses import dataclass
+from typing import Any
 
 import kvshelf  # noqa: F401  (preloads OpenBLAS, which must come before mlx)
 
 # isort: split
 from common import RESULTS, write_json
+from decode import build_model
 
 from kvbench.invariance import measure
+from kvshelf.model.gemv import with_fast_linears
 from kvshelf.model.loader import load
+from kvshelf.model.spec import ModelCacheSpec
+
+
+@dataclass
+class Bare:
+    """A model without a tokenizer, as far as ``measure`` needs one."""
+
+    model: Any
+    spec: ModelCacheSpec
+    forward: Any
+
+
+def random_prompts(count: int, tokens: int, vocab: int) -> list[list[int]]:
+    import numpy as np
+
+    rng = np.random.default_rng(1)
+    return [rng.integers(0, vocab, tokens).tolist() for _ in range(count)]
 
 
 def main() -> None:
@@ -34,10 +60,17 @@ def main() -> None:
     ap.add_argument("--generate", type=int, default=64)
     ap.add_argument("--others", type=int, default=3)
     ap.add_argument("--model", default="embedded")
-    ap.add_argument("--kernels", default="default,blis", help="default: the engine's; blis: every row through BLIS")
+    ap.add_argument("--kernels", default="default,invariant", help="any of default, blis, attention, invariant")
     args = ap.parse_args()
     print(f"load average at start: {os.getloadavg()}", flush=True)
-    loaded = load(args.model, progress=False)
+    loaded: Any
+    prompts = None
+    if args.model == "llama30":
+        model = build_model("llama30")
+        loaded = Bare(model, ModelCacheSpec.from_model(model), with_fast_linears(model))
+        prompts = random_prompts(max(1, args.conversations) + args.others, args.max_tokens, model.args.vocab_size)
+    else:
+        loaded = load(args.model, progress=False)
     partial = RESULTS / f"invariance-partial-{time.strftime('%Y%m%d-%H%M%S')}.json"
     RESULTS.mkdir(parents=True, exist_ok=True)
 
@@ -54,6 +87,7 @@ def main() -> None:
         log=lambda line: print(line, flush=True),
         kernels=tuple(args.kernels.split(",")),
         on_row=keep,
+        prompts=prompts,
     )
     summary = out["summary"]
     print("cost:", summary["cost"], flush=True)

@@ -156,7 +156,8 @@ def test_an_architecture_that_does_more_than_project_keeps_its_own_call():
 
 def test_the_engine_decodes_through_the_fast_head(tiny_dirs, tmp_path):
     engine = Engine(model=tiny_dirs["gemma3_text"], cache_dir=tmp_path)
-    assert isinstance(engine.loaded.forward, ProjectedModel) and engine._scheduler._model is engine.loaded.forward
+    assert isinstance(engine.loaded.forward, ProjectedModel) and engine._scheduler._loaded is engine.loaded
+    assert isinstance(engine.loaded.greedy_forward, ProjectedModel)  # temperature 0: the invariant kernels
     assert engine.loaded.model is engine.loaded.forward.inner  # spec and caches see the plain model
 
 

@@ -31,6 +31,11 @@ from mlx_lm.models.cache import make_prompt_cache
 from kvshelf import Engine
 from kvshelf.kv.agent_cache import AgentCache
 from kvshelf.kv.record import agent_record
+from kvshelf.kv.working_set import WorkingSets
+from kvshelf.model.attention import InvariantAttention, invariant_attention, tile_rows
+from kvshelf.model.few_rows import system_gemm
+from kvshelf.model.gemv import with_fast_linears
+from kvshelf.model.head import ProjectedModel
 from kvshelf.model.loader import load
 from tests.support.tiny import make_tiny_model_dir
 
@@ -198,3 +203,110 @@ def test_a_cut_inside_a_quantized_key_block_recomputes_from_the_block_start(dirs
     mine, ref = agent_record(cut).tensors, agent_record(cold).tensors
     assert mine.keys() == ref.keys()
     assert all(np.array_equal(np.array(mine[k]), np.array(ref[k])) for k in ref)
+
+
+# -- the row-invariant attention (kvshelf.model.attention) ---------------------------------
+def _qkv(seed: int, heads: int, kv: int, length: int, d: int) -> tuple[mx.array, mx.array, mx.array]:
+    rng = np.random.default_rng(seed)
+    q, k, v = (mx.array(rng.standard_normal((1, h, length, d)).astype(np.float32)) for h in (heads, kv, kv))
+    return q, k, v
+
+
+def _causal(q0: int, q1: int, k0: int, k1: int, window: int | None = None) -> mx.array:
+    q, k = mx.arange(q0, q1)[:, None], mx.arange(k0, k1)[None]
+    return (k <= q) & (k > q - window) if window else k <= q
+
+
+@pytest.mark.parametrize("heads,kv,d", [(4, 1, 256), (9, 3, 64)])  # Gemma 3 270M's and the 30-layer llama's
+def test_attention_rows_do_not_depend_on_the_call(heads, kv, d):
+    """A row's attention output is the same bits alone (decode), inside a chunk of any size,
+    from a buffer that starts at a later block (a window that moved on), and in a batch with
+    another agent left-padded to its length; grouped heads equal per-head attention. MLX's
+    own attention (the counter-example) gives rows that differ in the last bits."""
+    n, window, scale = 700, 300, d**-0.5
+    q, k, v = _qkv(heads + d, heads, kv, n, d)
+    one_call = invariant_attention(q, k, v, scale, "causal", [0])
+    mlx = mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask="causal")
+    assert mx.allclose(one_call, mlx, rtol=1e-4, atol=1e-5).item()  # the same function, to fp32 rounding
+    for p in (0, 255, 256, 401, n - 1):  # decode: the row alone over the keys up to it
+        alone = invariant_attention(q[:, :, p : p + 1], k[:, :, : p + 1], v[:, :, : p + 1], scale, None, [0])
+        assert mx.array_equal(alone[:, :, 0], one_call[:, :, p]).item(), p
+    chunks = [
+        invariant_attention(
+            q[:, :, a : a + 100], k[:, :, : a + 100], v[:, :, : a + 100], scale, _causal(a, a + 100, 0, a + 100), [0]
+        )
+        for a in range(0, n, 100)
+    ]
+    assert mx.array_equal(mx.concatenate(chunks, axis=2), one_call).item()
+    repeat = heads // kv  # each query head with its own copy of its KV head: per-head attention
+    per_head = invariant_attention(q, mx.repeat(k, repeat, axis=1), mx.repeat(v, repeat, axis=1), scale, "causal", [0])
+    assert mx.array_equal(per_head, one_call).item()
+    # A sliding window: the whole buffer from 0, against a buffer from block 256 (start_after).
+    windowed = invariant_attention(q, k, v, scale, _causal(0, n, 0, n, window), [0])
+    p = n - 1
+    late = invariant_attention(q[:, :, p:], k[:, :, 256:], v[:, :, 256:], scale, _causal(p, n, 256, n, window), [256])
+    assert mx.array_equal(late[:, :, 0], windowed[:, :, p]).item()
+    # A batch: this agent at position 401 beside one at 599, left-padded to the same width.
+    p, width = 401, 600
+    pad = [(0, 0), (0, 0), (width - p - 1, 0), (0, 0)]
+    keys = mx.concatenate([k[:, :, :width], mx.pad(k[:, :, : p + 1], pad)])
+    values = mx.concatenate([v[:, :, :width], mx.pad(v[:, :, : p + 1], pad)])
+    col = mx.arange(width)
+    mask = mx.stack([col >= 0, col >= width - p - 1])[:, None, None, :]
+    both = mx.concatenate([q[:, :, width - 1 : width], q[:, :, p : p + 1]])
+    batched = invariant_attention(both, keys, values, scale, mask, [0, p + 1 - width])
+    assert mx.array_equal(batched[1:, :, 0], one_call[:, :, p]).item()
+    assert mx.array_equal(batched[:1, :, 0], one_call[:, :, width - 1]).item()
+    assert tile_rows() >= 2  # the fixed-shape products hold a tile of rows in any order
+
+
+def test_mlx_attention_rows_depend_on_the_key_count():
+    """Why the kernel exists: MLX's attention gives a decode row other bits than the same row
+    inside a prefill call (its sums run over however many columns the call has)."""
+    q, k, v = _qkv(7, 4, 1, 700, 256)
+    whole = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.0625, mask="causal")
+    rows = [
+        mx.fast.scaled_dot_product_attention(q[:, :, p : p + 1], k[:, :, : p + 1], v[:, :, : p + 1], scale=0.0625)
+        for p in (300, 401, 699)
+    ]
+    assert any(not mx.array_equal(r[:, :, 0], whole[:, :, p]).item() for r, p in zip(rows, (300, 401, 699)))
+
+
+@pytest.mark.skipif(system_gemm() is None, reason="BLIS (libblis4-pthread) is not installed")
+@pytest.mark.parametrize("kind", KINDS)
+def test_shape_invariant_logits_of_a_row_are_the_same_in_any_chunk_and_batch(dirs, kind):
+    """With the switch on (every projection through BLIS, every attention invariant), a
+    token's logits through the 4-bit cache are the same bits in one 600-token call, in
+    64-token chunks, as a 1-token decode step, and decoded in a batch with another agent
+    through the decode working set: not only the same greedy token."""
+    loaded = load(dirs[kind], progress=False)
+    fast = with_fast_linears(loaded.model, all_rows=True, attention=True)
+    assert isinstance(fast, ProjectedModel) and fast._all_rows
+    layers = loaded.model.model.layers
+    assert sum(isinstance(m, InvariantAttention) for _, m in fast.body.named_modules()) == len(layers)
+    ids = np.random.default_rng(8).integers(0, 128, 600).tolist()
+
+    def feed(cache: AgentCache, part: list[int]) -> np.ndarray:
+        out = fast(mx.array(part)[None], cache=cache.layers)
+        mx.eval(out, cache.arrays())
+        cache.tokens.extend(part)
+        return np.array(out[0])
+
+    whole_cache = AgentCache.empty(loaded.spec)
+    whole = feed(whole_cache, ids)
+    chunked_cache = AgentCache.empty(loaded.spec)
+    chunked = np.concatenate([feed(chunked_cache, ids[a : a + 64]) for a in range(0, len(ids), 64)])
+    assert np.array_equal(chunked, whole)
+    stepped = AgentCache.empty(loaded.spec)
+    feed(stepped, ids[:597])
+    for p in (597, 598, 599):
+        assert np.array_equal(feed(stepped, [ids[p]]), whole[p : p + 1]), p
+    # One decode step alone and beside another agent of another length (the working set).
+    token = int(whole[-1].argmax())
+    alone = feed(whole_cache.fork(), [token])
+    other = AgentCache.empty(loaded.spec)
+    feed(other, ids[:170])
+    members = [whole_cache.fork(), other]
+    step = WorkingSets().caches(["a", "b"], [m.layers for m in members])
+    batched = fast(mx.array([[token], [ids[170]]]), cache=step)
+    assert np.array_equal(np.array(batched[0]), alone)

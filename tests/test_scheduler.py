@@ -162,11 +162,12 @@ import sys, kvshelf
 from kvshelf.runtime.engine import Engine
 e = Engine(model=sys.argv[1], cache_dir=sys.argv[2])
 history = [{"role": "user", "content": " ".join(str(i) for i in range(300))}]
-print("ready", flush=True)
 i = 0
 while True:
     r = e.chat("victim", history, max_tokens=8)
     history += [{"role": "assistant", "content": r.text}, {"role": "user", "content": "go on " + str(i)}]
+    if i == 0:  # a first turn done (its save written behind): from now on saves run all the time
+        print("ready", flush=True)
     i += 1
 """
 

@@ -19,9 +19,10 @@ working set, ``loaded.forward``), at temperature 0:
 
 For each path: the 64 greedy tokens against the reference's, the largest |Δlogit| over
 the next-token logits and every step before a divergence, and each divergence with the
-reference's top-2 margin there. Then the cost against the code before the change
-(``kvshelf.kv.schemes.ONE_REPRESENTATION = False``), side by side in one run: the
-reference's cold prefill time and the decode ms/token of one agent.
+reference's top-2 margin there. Each conversation runs with the engine's default kernels and with the shape-invariant
+ones (every projection through BLIS, ``kvshelf.model.attention``). Then the cost against
+the current code, side by side in one run: the reference's cold prefill time and the
+decode ms/token of one agent, for the invariant attention alone, BLIS alone and both.
 
     python benchmarks/invariance.py [--conversations 50] [--min-tokens 300] [--max-tokens 3000]
         [--generate 64] [--others 3]
@@ -42,13 +43,11 @@ import numpy as np
 
 from kvbench.charts import bars
 from kvbench.common import documents
-from kvshelf.kv import schemes
 from kvshelf.kv.agent_cache import AgentCache
 from kvshelf.kv.record import agent_cache_from_record, agent_record
 from kvshelf.kv.working_set import WorkingSets
 from kvshelf.model.gemv import with_fast_linears
 from kvshelf.model.head import prefill_logits
-from kvshelf.model.loader import LoadedModel
 from kvshelf.runtime.scheduler import prefill_plan
 
 TITLE = "Invariance: the same greedy reply whatever the cache did"
@@ -56,7 +55,7 @@ TITLE = "Invariance: the same greedy reply whatever the cache did"
 REPLY = 16  # tokens generated in turn 1
 
 
-def prefill(loaded: LoadedModel, cache: AgentCache, ids: list[int], chunk: int) -> np.ndarray:
+def prefill(loaded: Any, cache: AgentCache, ids: list[int], chunk: int) -> np.ndarray:
     """Feed ``ids[cache's reusable prefix:]`` as the scheduler does; the next-token logits."""
     keep = cache.reuse_prefix(ids)
     todo, out = ids[keep:], None
@@ -71,7 +70,7 @@ def prefill(loaded: LoadedModel, cache: AgentCache, ids: list[int], chunk: int) 
 
 
 def decode(
-    loaded: LoadedModel, caches: list[AgentCache], firsts: list[np.ndarray], steps: int
+    loaded: Any, caches: list[AgentCache], firsts: list[np.ndarray], steps: int
 ) -> tuple[list[list[int]], list[list[np.ndarray]], float]:
     """Greedy decode of every agent together; each one's tokens and logits rows (agent 0's
     rows only), and ms per step."""
@@ -110,7 +109,7 @@ def compare(name: str, ref: tuple[list[int], list[np.ndarray]], got: tuple[list[
     return out
 
 
-def conversation_paths(loaded: LoadedModel, prompt: list[int], others: list[list[int]], generate: int) -> dict:
+def conversation_paths(loaded: Any, prompt: list[int], others: list[list[int]], generate: int) -> dict:
     spec, split = loaded.spec, int(len(prompt) * 0.6)
     turn1 = AgentCache.empty(spec)
     first = prefill(loaded, turn1, prompt[:split], 256)
@@ -155,25 +154,29 @@ def conversation_paths(loaded: LoadedModel, prompt: list[int], others: list[list
     }
 
 
-BEFORE = "before (earlier reads, default kernels)"
-ONE_REP = "one representation, default kernels"
-INVARIANT = "one representation, every row through BLIS"
+CURRENT = "current code (default kernels, MLX attention)"
+BLIS_ONLY = "every row through BLIS, MLX attention"
+ATTENTION_ONLY = "invariant attention, default projections"
+INVARIANT = "shape-invariant (BLIS rows + invariant attention)"
+# The kernel choices a conversation can run with: (every projection through BLIS, invariant attention)
+KERNELS = {"default": (False, False), "blis": (True, False), "attention": (False, True), "invariant": (True, True)}
 
 
-def with_kernels(loaded: LoadedModel, all_rows: bool) -> LoadedModel:
-    """``loaded`` whose forward sends every projection's rows through BLIS (or not)."""
+def with_kernels(loaded: Any, all_rows: bool, attention: bool = False) -> Any:
+    """``loaded`` whose forward sends every projection's rows through BLIS (or not) and
+    runs ``kvshelf.model.attention`` (or MLX's attention)."""
     twin = copy.copy(loaded)
-    twin.forward = with_fast_linears(loaded.model, all_rows=all_rows)
+    twin.forward = with_fast_linears(loaded.model, all_rows=all_rows, attention=attention)
     return twin
 
 
-def cost(variants: dict[str, tuple[LoadedModel, bool]], prompt: list[int], generate: int) -> dict:
-    """Cold prefill (chunk 256) and one agent's decode per variant (forward, one
-    representation), alternated twice so that a drift in the machine hits all alike."""
+def cost(variants: dict[str, Any], prompt: list[int], generate: int) -> dict:
+    """Cold prefill (chunk 256) and one agent's decode per variant (a model with its
+    forward), alternated twice so that a drift in the machine hits all alike; the cost of
+    each against the current code."""
     out: dict[str, Any] = {}
     for _ in range(2):
-        for key, (loaded, one_rep) in variants.items():
-            schemes.ONE_REPRESENTATION = one_rep
+        for key, loaded in variants.items():
             cache = AgentCache.empty(loaded.spec)
             t0 = time.perf_counter()
             first = prefill(loaded, cache, prompt, 256)
@@ -182,13 +185,12 @@ def cost(variants: dict[str, tuple[LoadedModel, bool]], prompt: list[int], gener
             out.setdefault(key, {"prefill_s": [], "decode_ms_per_token": []})
             out[key]["prefill_s"].append(round(p, 3))
             out[key]["decode_ms_per_token"].append(round(ms, 1))
-    schemes.ONE_REPRESENTATION = True
     for v in out.values():
         v["prefill_s_median"] = float(np.median(v["prefill_s"]))
         v["decode_ms_median"] = float(np.median(v["decode_ms_per_token"]))
-    old = out[BEFORE]
+    old = out[CURRENT]
     for key, v in out.items():
-        if key != BEFORE:
+        if key != CURRENT:
             v["prefill_cost_pct"] = round(100 * (v["prefill_s_median"] / old["prefill_s_median"] - 1), 1)
             v["decode_tokens_per_s_cost_pct"] = round(100 * (1 - old["decode_ms_median"] / v["decode_ms_median"]), 1)
     out["tokens"] = len(prompt)
@@ -196,28 +198,34 @@ def cost(variants: dict[str, tuple[LoadedModel, bool]], prompt: list[int], gener
 
 
 def measure(
-    loaded: LoadedModel,
+    loaded: Any,
     conversations: int,
     min_tokens: int,
     max_tokens: int,
     generate: int,
     others: int,
     log: Any = None,
-    kernels: tuple[str, ...] = ("default", "blis"),
+    kernels: tuple[str, ...] = ("default", "invariant"),
     on_row: Any = None,
+    prompts: list[list[int]] | None = None,
 ) -> dict:
-    """Every conversation through every path with each choice of ``kernels`` ("default":
-    the engine's; "blis": every projection's rows through BLIS), then the cost of each
-    against the earlier reads; the summary and the rows."""
-    blis = with_kernels(loaded, True)
-    forwards = {"default": loaded, "blis": blis}
-    if blis.forward is loaded.forward or not getattr(blis.forward, "_all_rows", False):
-        kernels = tuple(k for k in kernels if k != "blis")  # no BLIS here (or it failed its check)
-    docs = documents(loaded.tokenizer, conversations + others, max_tokens, min_tokens)
-    prompts = [loaded.tokenizer.encode_prompt(t) for t in docs.values()]
+    """Every conversation through every path with each choice of ``kernels`` (``KERNELS``:
+    "default", the engine's; "blis": every projection's rows through BLIS; "attention":
+    ``kvshelf.model.attention``; "invariant": both), then the cost of each against the
+    current code; the summary and the rows (``conversations`` 0: the cost alone).
+    ``prompts``: token ids to use instead of the reference-manual documents (a model
+    without a tokenizer)."""
+    forwards = {k: loaded if k == "default" else with_kernels(loaded, *KERNELS[k]) for k in kernels}
+    for k in kernels:  # no BLIS here (or it failed its check): those kernels are not what they say
+        if KERNELS[k][0] and not getattr(forwards[k].forward, "_all_rows", False):
+            forwards.pop(k)
+    kernels = tuple(forwards)
+    if prompts is None:
+        docs = documents(loaded.tokenizer, max(1, conversations) + others, max_tokens, min_tokens)
+        prompts = [loaded.tokenizer.encode_prompt(t) for t in docs.values()]
     rng = np.random.default_rng(0)
     lengths = np.linspace(min_tokens, max_tokens, conversations).astype(int)
-    convs, mates_from = prompts[:conversations], prompts[conversations:]
+    convs, mates_from = prompts[:conversations], prompts[max(1, conversations) :]
     rows = []
     t0 = time.perf_counter()
     for i, (ids, n) in enumerate(zip(convs, lengths)):
@@ -232,10 +240,15 @@ def measure(
                 log(f"conversation {i + 1}/{len(convs)} ({kernel} kernels): {row['tokens']} tokens, identical: {same}")
                 for p in row["paths"]:
                     log(f"    {p}")
-    variants = {BEFORE: (loaded, False), ONE_REP: (loaded, True)}
-    if "blis" in kernels:
-        variants[INVARIANT] = (blis, True)
-    costs = cost(variants, convs[-1][: lengths[-1]], generate)
+    variants = {
+        CURRENT: loaded,
+        ATTENTION_ONLY: forwards.get("attention") or with_kernels(loaded, False, True),
+    }
+    if "invariant" in forwards:
+        variants[BLIS_ONLY] = forwards.get("blis") or with_kernels(loaded, True, False)
+        variants[INVARIANT] = forwards["invariant"]
+    # the longest conversation's tokens (with no conversation, the cost alone: ``max_tokens``)
+    costs = cost(variants, convs[-1][: lengths[-1]] if convs else prompts[0][:max_tokens], generate)
 
     def of(kernel: str) -> dict:
         mine = [r for r in rows if r["kernels"] == kernel]

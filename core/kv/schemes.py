@@ -89,6 +89,11 @@ class KVScheme:
         return per + extra / tokens
 
 
+def _to_block(columns: int) -> int:
+    """Columns to add to ``columns`` to reach a whole number of blocks."""
+    return -columns % BLOCK_TOKENS
+
+
 def _rotate(x: mx.array) -> mx.array:
     # Orthonormal (scale 1/sqrt(d)) and symmetric, hence its own inverse.
     return mx.hadamard_transform(x)
@@ -223,7 +228,8 @@ class SchemeLayerCache(QuantizedLayerCache):
         dup = (dup_k <= q) & (q < dup_end)
         if window is not None:
             main, dup = main & (k > q - window), dup & (dup_k > q - window)
-        return mx.concatenate([main, dup], axis=1)
+        gap = mx.zeros((n, _to_block(k.shape[1])), dtype=mx.bool_)
+        return mx.concatenate([main, gap, dup], axis=1)
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[Any, Any]:
         if not self.open_key_block:
@@ -245,8 +251,13 @@ class SchemeLayerCache(QuantizedLayerCache):
         if end % BLOCK_TOKENS == 0:  # closed by the call's last query, which still reads it open
             k = mx.concatenate([k[..., : end - BLOCK_TOKENS - start, :], open_rows(end)], axis=2)
         if ends:  # (a sink's fp16 copy is these very fp16 keys)
-            k = mx.concatenate([k, *(open_rows(e) for e in ends)], axis=2)
-            v = mx.concatenate([v, *(v[..., e - BLOCK_TOKENS - start : e - start, :] for e in ends)], axis=2)
+            # The shown-again blocks start on a block multiple of columns, as their
+            # positions do, so that an attention summing per block (kvshelf.model.attention)
+            # finds every block on its own 256 columns.
+            gap = lambda x: mx.zeros((*x.shape[:2], _to_block(x.shape[2]), x.shape[3]), dtype=x.dtype)  # noqa: E731
+            dup_v = [v[..., e - BLOCK_TOKENS - start : e - start, :] for e in ends]
+            k = mx.concatenate([k, gap(k), *(open_rows(e) for e in ends)], axis=2)
+            v = mx.concatenate([v, gap(v), *dup_v], axis=2)
         return k, v
 
     def exact_rewind_point(self, position: int) -> int:

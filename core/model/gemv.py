@@ -36,6 +36,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from kvshelf.model.attention import invariant_attention_body
 from kvshelf.model.few_rows import MAX_FEW_ROWS, Gemm, batches_through_blis, system_gemm
 from kvshelf.model.head import ProjectedModel, buffer_view, dot_error_bound, system_sgemv, with_fast_head
 
@@ -58,7 +59,13 @@ ONE_ROW_SGEMV = False
 # what still does is attention (MLX's kernels, ~2e-7). Off by default (see
 # benchmarks/invariance.py for what it changes and costs); ``KVSHELF_SHAPE_INVARIANT=1``
 # turns it on for the models loaded afterwards.
-SHAPE_INVARIANT = os.environ.get("KVSHELF_SHAPE_INVARIANT", "").lower() in ("1", "true", "yes")
+_SWITCH = os.environ.get("KVSHELF_SHAPE_INVARIANT", "").lower()
+SHAPE_INVARIANT = _SWITCH in ("1", "true", "yes")
+# Requests at temperature 0 (and prefill-only ones, whose cache a greedy turn may extend)
+# run the shape-invariant kernels unless ``KVSHELF_SHAPE_INVARIANT=0``: the engine's
+# ``LoadedModel.greedy_forward``. Unset, the switch means exactly that: invariant at
+# temperature 0, the faster default kernels when sampling.
+GREEDY_INVARIANT = _SWITCH not in ("0", "false", "no")
 
 
 class GemvLinear(nn.Module):
@@ -167,10 +174,17 @@ def gemv_body(
 
 
 def with_fast_linears(
-    model: nn.Module, one_row: bool = ONE_ROW_SGEMV, all_rows: bool | None = None, batches: bool | None = None
+    model: nn.Module,
+    one_row: bool = ONE_ROW_SGEMV,
+    all_rows: bool | None = None,
+    batches: bool | None = None,
+    attention: bool | None = None,
 ) -> nn.Module | ProjectedModel:
     """``with_fast_head(model)`` whose body also runs its batch-1 projections through sgemv
     (``one_row``) and a decode batch's through BLIS (``batches``; None: ``few_rows``'s default).
+    ``attention`` (None: ``SHAPE_INVARIANT``): every attention module of a known shape runs
+    ``kvshelf.model.attention.invariant_attention`` (rows independent of the call's shape,
+    each KV head read once for its query heads).
 
     Only where the head itself could be wrapped (fp32 on the CPU with the system OpenBLAS
     and an architecture that is body then projection), and only if the copied body is
@@ -180,6 +194,7 @@ def with_fast_linears(
     sgemv = system_sgemv()
     if not isinstance(fast, ProjectedModel) or sgemv is None:
         return fast
+    invariant = SHAPE_INVARIANT if attention is None else attention
     gemm = system_gemm()
     all_rows = (SHAPE_INVARIANT if all_rows is None else all_rows) and gemm is not None and _row_invariant(gemm)
     # a decode batch's rows through BLIS only when asked (kvshelf.model.few_rows says why)
@@ -188,7 +203,7 @@ def with_fast_linears(
     wrapped: list[GemvLinear] = []
     body = gemv_body(model.model, sgemv, gemm, wrapped, one_row, all_rows)
     if not wrapped:
-        return fast
+        return _with_attention(fast, invariant)
     probe = mx.array([[(5 * i + 3) % 97 for i in range(MAX_FEW_ROWS + 1)]])
     try:
         got, own = body(probe), model.model(probe)
@@ -197,11 +212,24 @@ def with_fast_linears(
     except Exception:  # a body whose copy cannot be called: keep the model's own
         return fast
     if not same:
-        return fast
+        return _with_attention(fast, invariant)
     head_gemm = gemm if gemm is not None and _head_agrees(fast, gemm) else None
     return ProjectedModel(
-        model, fast._project, fast._head, sgemv, body=body, gemm=head_gemm, all_rows=all_rows and head_gemm is not None
+        model,
+        fast._project,
+        fast._head,
+        sgemv,
+        body=invariant_attention_body(body) if invariant else body,
+        gemm=head_gemm,
+        all_rows=all_rows and head_gemm is not None,
     )
+
+
+def _with_attention(fast: ProjectedModel, invariant: bool) -> ProjectedModel:
+    """``fast`` with its body's attention modules made invariant, if asked."""
+    if not invariant:
+        return fast
+    return ProjectedModel(fast.inner, fast._project, fast._head, fast._sgemv, body=invariant_attention_body(fast.body))
 
 
 def _row_invariant(gemm: Gemm) -> bool:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,7 @@ import mlx.nn as nn
 from mlx_lm.utils import load_model as mlx_load_model
 from tokenizers import Tokenizer
 
+from kvshelf.model import gemv
 from kvshelf.model.gemv import with_fast_linears
 from kvshelf.model.head import ProjectedModel
 from kvshelf.model.spec import ModelCacheSpec
@@ -65,6 +67,18 @@ class LoadedModel:
     def __post_init__(self) -> None:
         self.spec = ModelCacheSpec.from_model(self.model)
         self.forward = with_fast_linears(self.model)
+
+    @cached_property
+    def greedy_forward(self) -> nn.Module | ProjectedModel:
+        """What to call for a request at temperature 0 (or a prefill only): ``forward`` with
+        the shape-invariant kernels (every projection through BLIS where installed, every
+        attention ``kvshelf.model.attention``), so its reply does not depend on the chunking,
+        the batch or the path its cache took (issue 21). ``forward`` itself where that is
+        invariant already (``KVSHELF_SHAPE_INVARIANT=1``) or where it is turned off (``=0``).
+        Built on first use (the scheduler's thread), over the same weights."""
+        if gemv.SHAPE_INVARIANT or not gemv.GREEDY_INVARIANT:
+            return self.forward
+        return with_fast_linears(self.model, all_rows=True, attention=True)
 
 
 def _compute_dtype() -> mx.Dtype:

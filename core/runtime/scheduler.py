@@ -26,7 +26,7 @@ import weakref
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
-from typing import Literal, TypeVar
+from typing import Any, Literal, TypeVar
 
 import mlx.core as mx
 import numpy as np
@@ -142,7 +142,8 @@ class Scheduler:
     """Runs the step loop: the model over the caches the shelf lends it."""
 
     def __init__(self, loaded: LoadedModel, shelf: Shelf, *, prefill_chunk: int = 256):
-        self._model = loaded.forward
+        self._loaded = loaded  # its forward, or its greedy_forward for requests at temperature 0
+        loaded.greedy_forward  # noqa: B018  (built now, its load-time checks included, not in the first request)
         self._tokenizer = loaded.tokenizer
         self._template_stops = list(loaded.template.stop_strings)
         self._shelf = shelf
@@ -309,7 +310,7 @@ class Scheduler:
             self.stats["background_calls"] += r.background
             ids, r.todo = r.todo[:n], r.todo[n:]
             want = not r.plan and not r.background  # only the last call's logits are read
-            out = prefill_logits(self._model, mx.array(ids)[None], r.cache.layers, want)
+            out = prefill_logits(self._forward([r]), mx.array(ids)[None], r.cache.layers, want)
             r.cache.tokens.extend(ids)
             if r.plan:
                 mx.eval(r.cache.arrays())
@@ -349,6 +350,13 @@ class Scheduler:
             return True
         return False
 
+    def _forward(self, requests: list[Request]) -> Any:
+        """The model call for a step of ``requests``: the shape-invariant kernels if any of
+        them decodes at temperature 0 or only prefills (``LoadedModel.greedy_forward``), so a
+        greedy reply never depends on its batch-mates; the default ones otherwise."""
+        greedy = any(r.sampler is None or r.sampler.temperature == 0 for r in requests)
+        return self._loaded.greedy_forward if greedy else self._loaded.forward
+
     def _decode_step(self) -> bool:
         """One batched decode step for every generating agent; False if there were none."""
         for r in [r for r in self._decoding if r.cancelled]:
@@ -364,7 +372,7 @@ class Scheduler:
         x = mx.array([[r.next_token] for r in batch])
         held = [_cache_of(r) for r in batch]
         caches = self._working.caches(batch, [c.layers for c in held])
-        logits = self._model(x, cache=caches)[:, -1]
+        logits = self._forward(batch)(x, cache=caches)[:, -1]
         # Every member's choice joins the step's graph, so one evaluation computes the step
         # and all next tokens: no sync per member (each sampler still reads its own row).
         chosen = mx.stack([self._choose(r, logits[b]) for b, r in enumerate(batch)])

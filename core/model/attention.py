@@ -1,0 +1,281 @@
+"""Row-invariant attention over kvshelf's caches, each KV head read once for all its query heads.
+
+Why: a greedy reply must not depend on what happened to the cache (issue 21). MLX's
+``scaled_dot_product_attention`` (its CPU fallback: matmul, softmax, matmul) gives a
+query row bits that depend on how many key columns come with it: the softmax sums and
+the ``P @ V`` product reduce over every column the cache handed over, so the same
+visible keys at other columns (a sliding buffer that starts elsewhere, blocks shown
+twice in a prefill chunk, a batch's left padding, a longer one-call prefill) round
+differently, and a 4-bit bin edge turns that into a different token several layers on.
+
+``invariant_attention`` computes each row so that its bits depend only on its own query
+and the keys/values it may see, by construction:
+
+- the keys are laid out in 256-token blocks aligned to absolute positions (each batch
+  member's columns shifted by zero padding so that column ``c`` is position
+  ``origin + c`` and every block starts at a multiple of ``BLOCK_TOKENS``);
+- scores are one product per KV head, the query heads that share it as its rows
+  (grouped-query attention reads each KV head once), cut into products of a fixed
+  shape: tiles of ``tile_rows()`` query rows by one block of keys, whose bits do not
+  depend on a row's place in the tile (checked at first use);
+- masked scores get exactly zero weight; the maximum is exact in any order;
+- the softmax denominator and ``P @ V`` are summed per absolute block (256 columns,
+  a fixed shape) and the blocks are added one after the other from the first
+  (``cumsum`` along the blocks). A block no query sees adds an exact zero, so neither
+  a block before the window, nor padding, nor a longer buffer changes a bit;
+- the normalization comes last (``numerator / denominator``).
+
+So a row computed alone, inside a 256-row chunk, at batch 1 or among 7 other agents,
+from a buffer that starts at 0 or at its window gives the same bits, and grouped-head
+attention equals per-head attention bit for bit (a head is a row like any other).
+It is not MLX's function bit for bit (normalizing last, another summation order): it
+agrees with it to fp32 rounding (``tests/test_invariance.py``).
+
+Cost: a decode step's products are few (one tile of rows per KV head), but a prefill
+chunk's are many small ones (a 256-token chunk of Gemma 3: 128 tiles by each key block,
+twice), which OpenBLAS runs far below its speed on one large product; that, with BLIS's
+projections, is what the invariant kernels cost in prefill (README, "Measured here").
+BLIS, whose rows do not depend on their number up to 256, could take these products in
+larger pieces: not done yet.
+"""
+
+from __future__ import annotations
+
+import copy
+from functools import cache
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.base import scaled_dot_product_attention
+from mlx_lm.models.cache import KVCache
+
+from kvshelf.model.spec import BLOCK_TOKENS
+
+# Attention classes whose __call__ is: q/k/v projections, per-head reshape, (per-head q/k
+# norms), RoPE at the cache offset, ``update_and_fetch``, attention, ``o_proj``. The value
+# says whether the per-head norms are there.
+KNOWN = {
+    ("mlx_lm.models.llama", "Attention"): False,
+    ("mlx_lm.models.qwen2", "Attention"): False,
+    ("mlx_lm.models.qwen3", "Attention"): True,
+    ("mlx_lm.models.gemma3_text", "Attention"): True,
+}
+
+
+# Row tiles tried, largest first: a product of this many query rows by one key block.
+TILE_CANDIDATES = (8, 4, 2)
+
+
+@cache
+def tile_rows() -> int:
+    """The largest row tile whose products give a row the same bits in any of its places.
+
+    MLX's CPU matmul is OpenBLAS's sgemm, which picks its kernel by shape: a row of a
+    256-row product differs from that row alone in the last bits, and so does a column of
+    a 4-column product. A product of a fixed shape is one kernel, though, and up to 8 rows
+    it holds every row in lanes of the same vector registers (measured with OpenBLAS
+    0.3.21 on x86-64: rows permuted within an 8-row tile keep their bits; 16 and 32 do
+    not). So attention multiplies tiles of exactly this many rows by blocks of exactly
+    ``BLOCK_TOKENS`` keys. Checked here on both products' shapes; 1 where nothing passes."""
+    key = mx.random.key(11)
+    for rows in TILE_CANDIDATES:
+        if all(_tile_invariant(rows, inner, cols, key) for d in (64, 128, 256) for inner, cols in ((d, 256), (256, d))):
+            return rows
+    return 1
+
+
+def _tile_invariant(rows: int, inner: int, cols: int, key: mx.array) -> bool:
+    """Rows permuted within their tiles keep their bits, in products laid out as the
+    kernel lays them out: (tiles, 1, rows, inner) @ (1, blocks, inner, cols)."""
+    ka, kb, kp = mx.random.split(key, 3)
+    a = mx.random.normal((1, 1, 5, 1, rows, inner), key=ka)
+    b = mx.random.normal((1, 1, 1, 3, inner, cols), key=kb)
+    base = a @ b
+    for t in range(3):
+        perm = mx.random.permutation(rows, key=mx.random.split(kp, 3)[t])
+        if not mx.array_equal(a[..., perm, :] @ b, base[..., perm, :]).item():
+            return False
+    return True
+
+
+def _full_mask(mask: Any, batch: int, length: int, keys: int) -> mx.array:
+    """The mask as booleans of shape (batch, 1, length, keys): True where a query sees a key.
+
+    ``"causal"``: the queries are the last ``length`` key positions (as mlx-lm means it)."""
+    if mask is None:
+        return mx.ones((batch, 1, length, keys), dtype=mx.bool_)
+    if isinstance(mask, str):
+        q = mx.arange(keys - length, keys)[:, None]
+        mask = q >= mx.arange(keys)[None]
+    if mask.dtype != mx.bool_:
+        raise TypeError("invariant attention takes boolean masks")
+    while mask.ndim < 4:
+        mask = mask[None]
+    return mx.broadcast_to(mask, (batch, 1, length, keys))
+
+
+def _aligned(x: mx.array, lead: list[int], width: int, axis: int = 2) -> mx.array:
+    """Member ``b``'s columns (``axis``) shifted right by ``lead[b]`` zero (False) columns,
+    ``width`` in all."""
+
+    def pad(y: mx.array, left: int) -> mx.array:
+        right = width - left - y.shape[axis]
+        if not left and not right:
+            return y
+        widths = [(0, 0)] * y.ndim
+        widths[axis] = (left, right)
+        return mx.pad(y, widths)
+
+    if len(set(lead)) == 1:
+        return pad(x, lead[0])
+    return mx.concatenate([pad(x[b : b + 1], left) for b, left in enumerate(lead)], axis=0)
+
+
+def invariant_attention(
+    queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Any, origins: list[int]
+) -> mx.array:
+    """Attention whose rows do not depend on the other rows, columns or batch members.
+
+    queries (B, heads, L, d); keys (B, kv_heads, T, d); values (B, kv_heads, T, dv);
+    ``mask``: None, ``"causal"`` or booleans broadcastable to (B, 1, L, T); ``origins``:
+    the absolute position of key column 0, one per batch member (or one for all)."""
+    b, heads, length, d = queries.shape
+    kv, t, dv = keys.shape[1], keys.shape[2], values.shape[3]
+    group, tile, block = heads // kv, tile_rows(), BLOCK_TOKENS
+    full = _full_mask(mask, b, length, t)
+    origins = origins * b if len(origins) == 1 else origins
+    lead = [o % block for o in origins]
+    width = -(-(max(lead) + t) // block) * block
+    blocks = width // block
+    keys, values, full = _aligned(keys, lead, width), _aligned(values, lead, width), _aligned(full, lead, width, 3)
+    # The query heads of one KV head are the rows of one product, in tiles of ``tile`` rows.
+    rows = group * length
+    tiles = -(-rows // tile)
+    q = (queries * scale).reshape(b, kv, rows, d)
+    if tiles * tile != rows:
+        q = mx.pad(q, [(0, 0), (0, 0), (0, tiles * tile - rows), (0, 0)])
+    q = q.reshape(b, kv, tiles, 1, tile, d)
+    k_blocks = keys.reshape(b, kv, 1, blocks, block, d).swapaxes(-1, -2)
+    scores = (q @ k_blocks).swapaxes(3, 4).reshape(b, kv, tiles * tile, width)[:, :, :rows]
+    seen = full[:, :, None]  # (B, 1, 1, L, width) against scores (B, kv, group, L, width)
+    scores = mx.where(seen, scores.reshape(b, kv, group, length, width), -mx.inf)
+    top = scores.max(axis=-1, keepdims=True)
+    weights = mx.where(seen, mx.exp(scores - top), 0.0).reshape(b, kv, rows, blocks, block)
+    # Per absolute block, then block after block from the first: a block adds an exact 0
+    # where its keys are not seen.
+    den = mx.cumsum(weights.sum(axis=-1), axis=-1)[..., -1:]
+    if tiles * tile != rows:
+        weights = mx.pad(weights, [(0, 0), (0, 0), (0, tiles * tile - rows), (0, 0), (0, 0)])
+    w_tiles = weights.reshape(b, kv, tiles, tile, blocks, block).swapaxes(3, 4)
+    parts = w_tiles @ values.reshape(b, kv, 1, blocks, block, dv)  # (B, kv, tiles, blocks, tile, dv)
+    num = mx.cumsum(parts, axis=3)[:, :, :, -1].reshape(b, kv, tiles * tile, dv)[:, :, :rows]
+    return (num / den).reshape(b, heads, length, dv)
+
+
+def key_origins(cache: Any, keys: int, length: int) -> list[int] | None:
+    """The absolute position of key column 0 of what ``cache`` just fetched, per batch
+    member; None for a cache whose layout is not known here (its own attention runs)."""
+    members = getattr(cache, "members", None)
+    if members is not None:  # a decode batch (kvshelf.kv.batch/working_set): newest key last
+        if length != 1:
+            return None
+        if len(members) == 1:
+            return [members[0].start]
+        return [m.offset - keys for m in members]
+    if hasattr(cache, "start_after"):  # a kvshelf layer cache: its buffer starts at ``start``
+        return [cache.start]
+    if type(cache) is KVCache:
+        return [0]
+    return None
+
+
+def _dense(x: Any, cache: Any, dtype: mx.Dtype) -> mx.array:
+    if not isinstance(x, tuple):
+        return x
+    w, s, bias = x
+    return mx.dequantize(w, s.astype(dtype), bias.astype(dtype), group_size=cache.group_size, bits=cache._bits)
+
+
+class InvariantAttention(nn.Module):
+    """An mlx-lm attention module of a known shape whose attention is ``invariant_attention``
+    (on kvshelf's caches and mlx-lm's ``KVCache``; any other cache runs the module's own)."""
+
+    def __init__(self, attention: nn.Module, head_norms: bool):
+        super().__init__()
+        self.attention = attention
+        self._head_norms = head_norms
+
+    def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
+        a = self.attention
+        if cache is None or key_origins(cache, 1, 1) is None or (mask is not None and _additive(mask)):
+            return a(x, mask, cache)
+        b, length, _ = x.shape
+        q = a.q_proj(x).reshape(b, length, a.n_heads, -1).transpose(0, 2, 1, 3)
+        k = a.k_proj(x).reshape(b, length, a.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        v = a.v_proj(x).reshape(b, length, a.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        if self._head_norms:
+            q, k = a.q_norm(q), a.k_norm(k)
+        q, k = a.rope(q, offset=cache.offset), a.rope(k, offset=cache.offset)
+        keys, values = cache.update_and_fetch(k, v)
+        keys, values = _dense(keys, cache, q.dtype), _dense(values, cache, q.dtype)
+        origins = key_origins(cache, keys.shape[2], length)
+        if origins is None:
+            out = scaled_dot_product_attention(q, keys, values, cache=None, scale=a.scale, mask=mask)
+        else:
+            out = invariant_attention(q, keys, values, a.scale, mask, origins)
+        return a.o_proj(out.transpose(0, 2, 1, 3).reshape(b, length, -1))
+
+
+def _additive(mask: Any) -> bool:
+    return isinstance(mask, mx.array) and mask.dtype != mx.bool_
+
+
+def _agrees(wrapper: InvariantAttention) -> bool:
+    """The wrapper's prefill and decode on an mlx-lm ``KVCache`` agree with the module's own
+    to fp32 rounding (another summation order, so not bit for bit)."""
+    a = wrapper.attention
+    dim = next((int(m["weight"].shape[1]) for _, m in a.q_proj.named_modules() if "weight" in m), None)
+    if dim is None:
+        return False
+    x = mx.sin(mx.arange(40 * dim, dtype=mx.float32) * 0.31).reshape(1, 40, dim)
+    try:
+        own, mine = KVCache(), KVCache()
+        for mask, part in (("causal", x[:, :39]), (None, x[:, 39:])):
+            want, got = a(part, mask, own), wrapper(part, mask, mine)
+            if not mx.allclose(got, want, rtol=1e-4, atol=1e-5).item():
+                return False
+        return True
+    except Exception:  # an attention the wrapper cannot call as it expects
+        return False
+
+
+def invariant_attention_body(module: nn.Module, wrapped: list[InvariantAttention] | None = None) -> nn.Module:
+    """A copy of ``module``'s tree over the same arrays with every known attention module
+    that passes the probe wrapped in ``InvariantAttention`` (``wrapped`` collects them)."""
+    kind = KNOWN.get((type(module).__module__, type(module).__name__))
+    if kind is not None:
+        wrapper = InvariantAttention(module, kind)
+        if _agrees(wrapper):
+            if wrapped is not None:
+                wrapped.append(wrapper)
+            return wrapper
+        return module
+    if not module.children():
+        return module
+    new = copy.copy(module)
+    for key, value in module.items():
+        new[key] = _converted(value, wrapped)
+    return new
+
+
+def _converted(value: Any, wrapped: list[InvariantAttention] | None) -> Any:
+    if isinstance(value, nn.Module):
+        return invariant_attention_body(value, wrapped)
+    if isinstance(value, list):
+        return [_converted(v, wrapped) for v in value]
+    if isinstance(value, tuple):
+        return tuple(_converted(v, wrapped) for v in value)
+    if isinstance(value, dict):
+        return {k: _converted(v, wrapped) for k, v in value.items()}
+    return value
