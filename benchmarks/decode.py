@@ -15,7 +15,10 @@ and side by side, for each model and context length:
 - mlx-lm's own step on the same model with its fp32 ``KVCache``/``RotatingKVCache``
   (batch 1: what ``mlx_lm.generate`` runs);
 - the floor: the model's weight bytes (and weights + K/V bytes) divided by the memory
-  bandwidth measured in the same run.
+  bandwidth measured in the same run (``kvbench.decode_steps.FLOOR_METHOD``: a 1 GiB
+  buffer and the weights' own bytes through sgemv, the best of 15 interleaved passes;
+  the method is written into the JSON). ``--floor-only N`` measures only the floor, N
+  times, to show that it repeats.
 
 Caches are filled with random K/V of the right shapes (timing does not depend on their
 values), so a 16K context costs seconds to set up instead of minutes of prefill.
@@ -49,7 +52,7 @@ from mlx.utils import tree_map
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import _get_classes
 
-from kvbench.decode_steps import bandwidth_gbs, fill, kv_bytes, step_ms, weight_bytes
+from kvbench.decode_steps import FLOOR_METHOD, bandwidth, describe_bandwidth, fill, kv_bytes, step_ms, weight_bytes
 from kvshelf.kv.agent_cache import AgentCache
 from kvshelf.kv.schemes import DEFAULT_SCHEME, SCHEMES
 from kvshelf.model import few_rows
@@ -103,12 +106,13 @@ def run(
     models: list[str], contexts: list[int], batches: list[int], steps: int, warmup: int, paths: Sequence[str] = PATHS
 ) -> dict:
     load_start = list(os.getloadavg())
-    bw = bandwidth_gbs()
-    gbs = max(bw.values())
-    print(f"memory bandwidth: {bw['mlx_sum_gbs']:.2f} GB/s (mlx sum), {bw['numpy_sum_gbs']:.2f} GB/s (numpy sum)")
     rows = []
+    floors: dict[str, dict[str, Any]] = {}
     for name in models:
         model = build_model(name)
+        bw = bandwidth(model)
+        gbs = bw["gbs"]
+        print(f"{name}: {describe_bandwidth(bw)}")
         spec = ModelCacheSpec.from_model(model)
         wbytes = weight_bytes(model)
         fast = engine_forward(model)  # what the engine runs: sgemv for the head at batch 1
@@ -118,6 +122,7 @@ def run(
         head_only = with_fast_head(model)  # the previous engine path: only the batch-1 head through sgemv
         one_row = with_fast_linears(model, one_row=True)  # batch 1's layer projections through sgemv too
         floor_ms = wbytes / (gbs * 1e9) * 1e3
+        floors[name] = {**bw, "weight_bytes": wbytes, "floor_ms": round(floor_ms, 1)}
         print(f"\n{name}: {len(spec.layers)} layers, weights {wbytes / 1e9:.3f} GB, floor {floor_ms:.1f} ms/step")
         for context in contexts:
             if "mlx-lm" in paths:
@@ -155,13 +160,39 @@ def run(
     _against_batch_1(rows)
     print(f"load average at start {load_start}, at end {load_end}")
     return {
-        "bandwidth": bw,
+        "floor_method": FLOOR_METHOD,
+        "floors": floors,
         "steps": steps,
         "warmup": warmup,
         "load_average_at_start": load_start,
         "load_average_at_end": load_end,
         "rows": rows,
     }
+
+
+def floors_only(models: list[str], runs: int) -> dict:
+    """Only the floor, ``runs`` times over (each a fresh measurement of every reading),
+    to show how repeatable it is: the spread of each model's floor across the runs."""
+    load_start = list(os.getloadavg())
+    out: dict[str, Any] = {"floor_method": FLOOR_METHOD, "models": {}}
+    for name in models:
+        model = build_model(name)
+        wbytes = weight_bytes(model)
+        measured = []
+        for i in range(runs):
+            bw = bandwidth(model)
+            floor_ms = round(wbytes / (bw["gbs"] * 1e9) * 1e3, 1)
+            print(f"{name} run {i + 1}: floor {floor_ms} ms; {describe_bandwidth(bw)}")
+            measured.append({**bw, "floor_ms": floor_ms})
+        ms = [m["floor_ms"] for m in measured]
+        spread = round(max(ms) / min(ms) - 1, 3)
+        print(f"{name}: floors {ms} ms, spread {100 * spread:.1f}%")
+        out["models"][name] = {"weight_bytes": wbytes, "runs": measured, "floor_ms": ms, "spread": spread}
+        del model
+    out["load_average_at_start"] = load_start
+    out["load_average_at_end"] = list(os.getloadavg())
+    print(f"load average at start {load_start}, at end {out['load_average_at_end']}")
+    return out
 
 
 def _against_batch_1(rows: list[dict]) -> None:
@@ -245,7 +276,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--paths", default="mlx-lm,default,q4,blis", help=f"any of {','.join(PATHS)}")
+    parser.add_argument("--floor-only", type=int, default=0, metavar="RUNS", help="only the floor, RUNS times")
     args = parser.parse_args()
+    if args.floor_only:
+        print(f"wrote {write_json('decode-floor', floors_only(args.models.split(','), args.floor_only))}")
+        return
     contexts = [1024] if args.quick else [int(c) for c in args.contexts.split(",")]
     batches = [1, 4] if args.quick else [int(b) for b in args.batches.split(",")]
     steps = 4 if args.quick else args.steps

@@ -24,6 +24,7 @@ Run it through the exclusive benchmark lock; a figure taken under other load is 
 from __future__ import annotations
 
 import argparse
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -37,7 +38,7 @@ from common import median_ms, write_json
 from decode import build_model
 from mlx_lm.models.cache import make_prompt_cache
 
-from kvbench.decode_steps import bandwidth_gbs, fill, weight_bytes
+from kvbench.decode_steps import FLOOR_METHOD, bandwidth, fill, weight_bytes
 from kvshelf.kv.agent_cache import AgentCache
 from kvshelf.kv.schemes import DEFAULT_SCHEME, SCHEMES
 from kvshelf.kv.working_set import WorkingSets
@@ -50,14 +51,17 @@ def layer_linears(model: nn.Module) -> list[nn.Linear]:
     return [m for layer in model.model.layers for _, m in layer.named_modules() if isinstance(m, nn.Linear)]
 
 
-def profile(name: str, context: int, repeats: int, gbs: float) -> dict[str, Any]:
+def profile(name: str, context: int, repeats: int) -> dict[str, Any]:
     model = build_model(name)
+    bw = bandwidth(model)
+    gbs = bw["gbs"]
     spec = ModelCacheSpec.from_model(model)
     head_only = with_fast_head(model)
     fast = with_fast_linears(model)
     linears = layer_linears(model)
     layer_bytes = sum(m.weight.nbytes for m in linears)
     out: dict[str, Any] = {"model": name, "context": context, "layers": len(model.model.layers)}
+    out["bandwidth"] = bw
     out["floor_ms"] = round(weight_bytes(model) / gbs / 1e6, 1)
     out["layer_linears_floor_ms"] = round(layer_bytes / gbs / 1e6, 1)
 
@@ -157,7 +161,8 @@ def profile(name: str, context: int, repeats: int, gbs: float) -> dict[str, Any]
                 sgemv(w, v)
 
         out["linears_sgemv_ms"] = round(median_ms(blas_linears, repeats), 1)
-    print(f"{name} at {context}: " + ", ".join(f"{k} {v}" for k, v in out.items() if k not in ("model", "context")))
+    shown = {k: v for k, v in out.items() if k not in ("model", "context", "bandwidth")}
+    print(f"{name} at {context}: " + ", ".join(f"{k} {v}" for k, v in shown.items()))
     return out
 
 
@@ -167,10 +172,11 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--repeats", type=int, default=7)
     args = parser.parse_args()
-    bw = bandwidth_gbs()
-    gbs = max(bw.values())
-    rows = [profile(name, args.context, args.repeats, gbs) for name in args.models.split(",")]
-    print(f"wrote {write_json('decode-profile', {'bandwidth': bw, 'rows': rows})}")
+    load_start = list(os.getloadavg())
+    rows = [profile(name, args.context, args.repeats) for name in args.models.split(",")]
+    loads = {"load_average_at_start": load_start, "load_average_at_end": list(os.getloadavg())}
+    print(loads)
+    print(f"wrote {write_json('decode-profile', {'floor_method': FLOOR_METHOD, **loads, 'rows': rows})}")
 
 
 if __name__ == "__main__":
