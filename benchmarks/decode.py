@@ -9,9 +9,10 @@ and side by side, for each model and context length:
   ``kvshelf.kv.working_set``, kept across steps; the head at batch 1 through sgemv,
   ``kvshelf.model.gemv``), beside it (``--paths blis``) the same with a batch's rows
   through BLIS (off by default, ``kvshelf.model.few_rows``), and (``--paths per-step``)
-  the per-step path it replaced
-  ("per-step": the model's own call on the agents' layer caches, one ``BatchLayerView``
-  per layer when several agents decode together);
+  the per-step path it replaced ("per-step": the model's own call on the agents' layer
+  caches, one ``BatchLayerView`` per layer when several agents decode together), and
+  (``--paths no-pipeline``) the scheduler's path without the working set's pipelining
+  (``kvshelf.kv.working_set.PIPELINE``);
 - mlx-lm's own step on the same model with its fp32 ``KVCache``/``RotatingKVCache``
   (batch 1: what ``mlx_lm.generate`` runs);
 - the floor: the model's weight bytes (and weights + K/V bytes) divided by the memory
@@ -53,6 +54,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import _get_classes
 
 from kvbench.decode_steps import FLOOR_METHOD, bandwidth, describe_bandwidth, fill, kv_bytes, step_ms, weight_bytes
+from kvshelf.kv import working_set
 from kvshelf.kv.agent_cache import AgentCache
 from kvshelf.kv.schemes import DEFAULT_SCHEME, SCHEMES
 from kvshelf.model import few_rows
@@ -92,7 +94,7 @@ def build_model(name: str) -> nn.Module:
 
 
 # "blis" (or "no-blis"): the engine with the other setting of BLIS for a batch's rows beside it
-PATHS = ("mlx-lm", "default", "q4", "blis", "no-blis", "per-step", "head-only", "one-row-sgemv")
+PATHS = ("mlx-lm", "default", "q4", "blis", "no-blis", "per-step", "head-only", "one-row-sgemv", "no-pipeline")
 
 
 def engine_forward(model: nn.Module, blis: bool | None = None) -> nn.Module | ProjectedModel:
@@ -147,11 +149,15 @@ def run(
                         kinds.append((True, f"{scheme} head-only sgemv", head_only))
                     if "one-row-sgemv" in paths:
                         kinds.append((True, f"{scheme} one-row sgemv", one_row))
+                    if "no-pipeline" in paths:
+                        kinds.append((True, f"{scheme} no-pipeline", fast))
                     if "per-step" in paths:
                         kinds.append((False, f"{scheme} per-step", model))
                     for working, path, forward in kinds:
                         members = [_clone(layers) for layers in agents[:batch]]
+                        working_set.PIPELINE = not path.endswith("no-pipeline")
                         t, ws_bytes = step_ms(forward, members, steps, warmup, working)
+                        working_set.PIPELINE = True
                         row = _row(name, context, path, batch, t, floor_ms, wbytes, kv_bytes(members), gbs)
                         rows.append({**row, "working_set_mb": round(ws_bytes / 1e6, 1)})
                 del agents
@@ -200,7 +206,8 @@ def _against_batch_1(rows: list[dict]) -> None:
     scheme (issue 14's goals: >= 3x at batch 4, >= 5x at batch 8), printed and kept in the row."""
     one = {(r["model"], r["context"], r["path"]): r for r in rows if r["batch"] == 1}
     for r in rows:
-        base = one.get((r["model"], r["context"], r["path"].removesuffix(" no-blis").removesuffix(" blis")))
+        path = r["path"].removesuffix(" no-blis").removesuffix(" blis")
+        base = one.get((r["model"], r["context"], path))
         if base is not None and r["batch"] > 1:
             r["x_batch_1_tokens_per_s"] = round(r["tokens_per_s"] / base["tokens_per_s"], 2)
             x = r["x_batch_1_tokens_per_s"]

@@ -53,6 +53,13 @@ from kvshelf.kv.blocks import QuantizedLayerCache
 # once every GROW_COLUMNS steps.
 GROW_COLUMNS = 128
 
+# Whether each layer starts MLX on the step so far (``mx.async_eval`` of its new K/V, that
+# is every earlier layer and this one's projections) before Python builds the rest of the
+# step's graph: building a step's graph is Python work of ~10-16 ms (30-layer llama,
+# benchmarks/decode_profile.py), which otherwise comes before any of MLX's. The same
+# operations run on the same inputs, so no result changes by a bit.
+PIPELINE = True
+
 Rows = tuple[mx.array, ...]  # one dense array, or a packed (words, scales, biases) triple
 Layers = Sequence[QuantizedLayerCache]  # one agent's caches, one per model layer
 Carried = tuple[Rows, Rows, int]  # a member's rows taken over from a previous run, and its closed mark
@@ -116,6 +123,8 @@ class DecodeLayer(BatchLayerView):
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[Any, Any]:
         if keys.shape[2] != 1:
             raise ValueError("a decode working set takes one token per agent per step")
+        if PIPELINE:
+            mx.async_eval(keys, values)
         if self._passthrough:
             out = self.members[0].update_and_fetch(keys, values)
             self.synced = [self.members[0].offset]
