@@ -11,8 +11,8 @@ and side by side, for each model and context length:
   through BLIS (off by default, ``kvshelf.model.few_rows``), and (``--paths per-step``)
   the per-step path it replaced ("per-step": the model's own call on the agents' layer
   caches, one ``BatchLayerView`` per layer when several agents decode together), and
-  (``--paths no-pipeline``) the scheduler's path without the working set's pipelining
-  (``kvshelf.kv.working_set.PIPELINE``);
+  (``--paths pipeline``) the scheduler's path with the working set's pipelining
+  (``kvshelf.kv.working_set.PIPELINE``, off by default);
 - mlx-lm's own step on the same model with its fp32 ``KVCache``/``RotatingKVCache``
   (batch 1: what ``mlx_lm.generate`` runs);
 - the floor: the model's weight bytes (and weights + K/V bytes) divided by the memory
@@ -94,7 +94,7 @@ def build_model(name: str) -> nn.Module:
 
 
 # "blis" (or "no-blis"): the engine with the other setting of BLIS for a batch's rows beside it
-PATHS = ("mlx-lm", "default", "q4", "blis", "no-blis", "per-step", "head-only", "one-row-sgemv", "no-pipeline")
+PATHS = ("mlx-lm", "default", "q4", "blis", "no-blis", "per-step", "head-only", "one-row-sgemv", "pipeline")
 
 
 def engine_forward(model: nn.Module, blis: bool | None = None) -> nn.Module | ProjectedModel:
@@ -149,15 +149,15 @@ def run(
                         kinds.append((True, f"{scheme} head-only sgemv", head_only))
                     if "one-row-sgemv" in paths:
                         kinds.append((True, f"{scheme} one-row sgemv", one_row))
-                    if "no-pipeline" in paths:
-                        kinds.append((True, f"{scheme} no-pipeline", fast))
+                    if "pipeline" in paths:
+                        kinds.append((True, f"{scheme} pipeline", fast))
                     if "per-step" in paths:
                         kinds.append((False, f"{scheme} per-step", model))
                     for working, path, forward in kinds:
                         members = [_clone(layers) for layers in agents[:batch]]
-                        working_set.PIPELINE = not path.endswith("no-pipeline")
+                        default, working_set.PIPELINE = working_set.PIPELINE, path.endswith(" pipeline")
                         t, ws_bytes = step_ms(forward, members, steps, warmup, working)
-                        working_set.PIPELINE = True
+                        working_set.PIPELINE = default
                         row = _row(name, context, path, batch, t, floor_ms, wbytes, kv_bytes(members), gbs)
                         rows.append({**row, "working_set_mb": round(ws_bytes / 1e6, 1)})
                 del agents

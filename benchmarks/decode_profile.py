@@ -85,10 +85,11 @@ def profile(name: str, context: int, repeats: int) -> dict[str, Any]:
     # The working set's pipelining (kvshelf.kv.working_set.PIPELINE) off and on again, each
     # twice, alternating, so drift in the machine's load touches both alike.
     pipelined: dict[bool, list[float]] = {False: [], True: []}
+    default = working_set.PIPELINE
     for on in (False, True, False, True):
         working_set.PIPELINE = on
         pipelined[on].append(median_ms(step(fast), repeats))
-    working_set.PIPELINE = True
+    working_set.PIPELINE = default
     out["step_no_pipeline_ms"] = round(statistics.median(pipelined[False]), 1)
     out["step_pipeline_ms"] = round(statistics.median(pipelined[True]), 1)
     out["step_head_gemv_only_ms"] = round(median_ms(step(head_only), repeats), 1)

@@ -41,6 +41,7 @@ from its blocks, never from stale rows.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Collection, Hashable, Sequence
 from typing import Any
 
@@ -55,10 +56,13 @@ GROW_COLUMNS = 128
 
 # Whether each layer starts MLX on the step so far (``mx.async_eval`` of its new K/V, that
 # is every earlier layer and this one's projections) before Python builds the rest of the
-# step's graph: building a step's graph is Python work of ~10-16 ms (30-layer llama,
-# benchmarks/decode_profile.py), which otherwise comes before any of MLX's. The same
-# operations run on the same inputs, so no result changes by a bit.
-PIPELINE = True
+# step's graph: building a step's graph is Python work (11.6 ms of the 30-layer llama's
+# body at batch 1, benchmarks/decode_profile.py, load 2.4), which otherwise comes before
+# any of MLX's. The same operations run on the same inputs, so no result changes by a bit
+# (tested). Off by default: its effect on a step's time has not been measured under the
+# benchmark lock yet (``benchmarks/decode.py --paths default,pipeline``);
+# ``KVSHELF_DECODE_PIPELINE=1`` turns it on.
+PIPELINE = os.environ.get("KVSHELF_DECODE_PIPELINE", "").lower() in ("1", "true", "yes")
 
 Rows = tuple[mx.array, ...]  # one dense array, or a packed (words, scales, biases) triple
 Layers = Sequence[QuantizedLayerCache]  # one agent's caches, one per model layer
