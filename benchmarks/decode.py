@@ -9,13 +9,17 @@ and side by side, for each model and context length:
   ``kvshelf.kv.working_set``, kept across steps; the head at batch 1 through sgemv,
   ``kvshelf.model.gemv``), beside it (``--paths blis``) the same with a batch's rows
   through BLIS (off by default, ``kvshelf.model.few_rows``), and (``--paths per-step``)
-  the per-step path it replaced
-  ("per-step": the model's own call on the agents' layer caches, one ``BatchLayerView``
-  per layer when several agents decode together);
+  the per-step path it replaced ("per-step": the model's own call on the agents' layer
+  caches, one ``BatchLayerView`` per layer when several agents decode together), and
+  (``--paths pipeline``) the scheduler's path with the working set's pipelining
+  (``kvshelf.kv.working_set.PIPELINE``, off by default);
 - mlx-lm's own step on the same model with its fp32 ``KVCache``/``RotatingKVCache``
   (batch 1: what ``mlx_lm.generate`` runs);
 - the floor: the model's weight bytes (and weights + K/V bytes) divided by the memory
-  bandwidth measured in the same run.
+  bandwidth measured in the same run (``kvbench.decode_steps.FLOOR_METHOD``: a 1 GiB
+  buffer and the weights' own bytes through sgemv, the best of 15 interleaved passes;
+  the method is written into the JSON). ``--floor-only N`` measures only the floor, N
+  times, to show that it repeats.
 
 Caches are filled with random K/V of the right shapes (timing does not depend on their
 values), so a 16K context costs seconds to set up instead of minutes of prefill.
@@ -49,7 +53,8 @@ from mlx.utils import tree_map
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import _get_classes
 
-from kvbench.decode_steps import bandwidth_gbs, fill, kv_bytes, step_ms, weight_bytes
+from kvbench.decode_steps import FLOOR_METHOD, bandwidth, describe_bandwidth, fill, kv_bytes, step_ms, weight_bytes
+from kvshelf.kv import working_set
 from kvshelf.kv.agent_cache import AgentCache
 from kvshelf.kv.schemes import DEFAULT_SCHEME, SCHEMES
 from kvshelf.model import few_rows
@@ -89,7 +94,7 @@ def build_model(name: str) -> nn.Module:
 
 
 # "blis" (or "no-blis"): the engine with the other setting of BLIS for a batch's rows beside it
-PATHS = ("mlx-lm", "default", "q4", "blis", "no-blis", "per-step", "head-only", "one-row-sgemv")
+PATHS = ("mlx-lm", "default", "q4", "blis", "no-blis", "per-step", "head-only", "one-row-sgemv", "pipeline")
 
 
 def engine_forward(model: nn.Module, blis: bool | None = None) -> nn.Module | ProjectedModel:
@@ -103,12 +108,13 @@ def run(
     models: list[str], contexts: list[int], batches: list[int], steps: int, warmup: int, paths: Sequence[str] = PATHS
 ) -> dict:
     load_start = list(os.getloadavg())
-    bw = bandwidth_gbs()
-    gbs = max(bw.values())
-    print(f"memory bandwidth: {bw['mlx_sum_gbs']:.2f} GB/s (mlx sum), {bw['numpy_sum_gbs']:.2f} GB/s (numpy sum)")
     rows = []
+    floors: dict[str, dict[str, Any]] = {}
     for name in models:
         model = build_model(name)
+        bw = bandwidth(model)
+        gbs = bw["gbs"]
+        print(f"{name}: {describe_bandwidth(bw)}")
         spec = ModelCacheSpec.from_model(model)
         wbytes = weight_bytes(model)
         fast = engine_forward(model)  # what the engine runs: sgemv for the head at batch 1
@@ -118,6 +124,7 @@ def run(
         head_only = with_fast_head(model)  # the previous engine path: only the batch-1 head through sgemv
         one_row = with_fast_linears(model, one_row=True)  # batch 1's layer projections through sgemv too
         floor_ms = wbytes / (gbs * 1e9) * 1e3
+        floors[name] = {**bw, "weight_bytes": wbytes, "floor_ms": round(floor_ms, 1)}
         print(f"\n{name}: {len(spec.layers)} layers, weights {wbytes / 1e9:.3f} GB, floor {floor_ms:.1f} ms/step")
         for context in contexts:
             if "mlx-lm" in paths:
@@ -142,11 +149,15 @@ def run(
                         kinds.append((True, f"{scheme} head-only sgemv", head_only))
                     if "one-row-sgemv" in paths:
                         kinds.append((True, f"{scheme} one-row sgemv", one_row))
+                    if "pipeline" in paths:
+                        kinds.append((True, f"{scheme} pipeline", fast))
                     if "per-step" in paths:
                         kinds.append((False, f"{scheme} per-step", model))
                     for working, path, forward in kinds:
                         members = [_clone(layers) for layers in agents[:batch]]
+                        default, working_set.PIPELINE = working_set.PIPELINE, path.endswith(" pipeline")
                         t, ws_bytes = step_ms(forward, members, steps, warmup, working)
+                        working_set.PIPELINE = default
                         row = _row(name, context, path, batch, t, floor_ms, wbytes, kv_bytes(members), gbs)
                         rows.append({**row, "working_set_mb": round(ws_bytes / 1e6, 1)})
                 del agents
@@ -155,7 +166,8 @@ def run(
     _against_batch_1(rows)
     print(f"load average at start {load_start}, at end {load_end}")
     return {
-        "bandwidth": bw,
+        "floor_method": FLOOR_METHOD,
+        "floors": floors,
         "steps": steps,
         "warmup": warmup,
         "load_average_at_start": load_start,
@@ -164,12 +176,38 @@ def run(
     }
 
 
+def floors_only(models: list[str], runs: int) -> dict:
+    """Only the floor, ``runs`` times over (each a fresh measurement of every reading),
+    to show how repeatable it is: the spread of each model's floor across the runs."""
+    load_start = list(os.getloadavg())
+    out: dict[str, Any] = {"floor_method": FLOOR_METHOD, "models": {}}
+    for name in models:
+        model = build_model(name)
+        wbytes = weight_bytes(model)
+        measured = []
+        for i in range(runs):
+            bw = bandwidth(model)
+            floor_ms = round(wbytes / (bw["gbs"] * 1e9) * 1e3, 1)
+            print(f"{name} run {i + 1}: floor {floor_ms} ms; {describe_bandwidth(bw)}")
+            measured.append({**bw, "floor_ms": floor_ms})
+        ms = [m["floor_ms"] for m in measured]
+        spread = round(max(ms) / min(ms) - 1, 3)
+        print(f"{name}: floors {ms} ms, spread {100 * spread:.1f}%")
+        out["models"][name] = {"weight_bytes": wbytes, "runs": measured, "floor_ms": ms, "spread": spread}
+        del model
+    out["load_average_at_start"] = load_start
+    out["load_average_at_end"] = list(os.getloadavg())
+    print(f"load average at start {load_start}, at end {out['load_average_at_end']}")
+    return out
+
+
 def _against_batch_1(rows: list[dict]) -> None:
     """Each batched row's tokens/s as a multiple of batch 1's on the same model, context and
     scheme (issue 14's goals: >= 3x at batch 4, >= 5x at batch 8), printed and kept in the row."""
     one = {(r["model"], r["context"], r["path"]): r for r in rows if r["batch"] == 1}
     for r in rows:
-        base = one.get((r["model"], r["context"], r["path"].removesuffix(" no-blis").removesuffix(" blis")))
+        path = r["path"].removesuffix(" no-blis").removesuffix(" blis")
+        base = one.get((r["model"], r["context"], path))
         if base is not None and r["batch"] > 1:
             r["x_batch_1_tokens_per_s"] = round(r["tokens_per_s"] / base["tokens_per_s"], 2)
             x = r["x_batch_1_tokens_per_s"]
@@ -245,7 +283,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--paths", default="mlx-lm,default,q4,blis", help=f"any of {','.join(PATHS)}")
+    parser.add_argument("--floor-only", type=int, default=0, metavar="RUNS", help="only the floor, RUNS times")
     args = parser.parse_args()
+    if args.floor_only:
+        print(f"wrote {write_json('decode-floor', floors_only(args.models.split(','), args.floor_only))}")
+        return
     contexts = [1024] if args.quick else [int(c) for c in args.contexts.split(",")]
     batches = [1, 4] if args.quick else [int(b) for b in args.batches.split(",")]
     steps = 4 if args.quick else args.steps

@@ -40,7 +40,7 @@ import numpy as np
 from common import median_ms, write_json
 from decode import build_model, engine_forward
 
-from kvbench.decode_steps import bandwidth_gbs, cache_arrays, fill
+from kvbench.decode_steps import bandwidth, cache_arrays, describe_bandwidth, fill
 from kvshelf.kv.agent_cache import AgentCache
 from kvshelf.kv.schemes import DEFAULT_SCHEME, SCHEMES
 from kvshelf.kv.working_set import WorkingSets
@@ -187,8 +187,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
     load_start = list(os.getloadavg())
-    bw = bandwidth_gbs()
-    print(f"load {load_start}; bandwidth {bw}")
+    bw = bandwidth()
+    print(f"load {load_start}; {describe_bandwidth(bw)}")
     rows = [
         r
         for name in args.models.split(",")

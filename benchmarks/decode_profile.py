@@ -24,6 +24,9 @@ Run it through the exclusive benchmark lock; a figure taken under other load is 
 from __future__ import annotations
 
 import argparse
+import os
+import statistics
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -37,7 +40,8 @@ from common import median_ms, write_json
 from decode import build_model
 from mlx_lm.models.cache import make_prompt_cache
 
-from kvbench.decode_steps import bandwidth_gbs, fill, weight_bytes
+from kvbench.decode_steps import FLOOR_METHOD, bandwidth, fill, weight_bytes
+from kvshelf.kv import working_set
 from kvshelf.kv.agent_cache import AgentCache
 from kvshelf.kv.schemes import DEFAULT_SCHEME, SCHEMES
 from kvshelf.kv.working_set import WorkingSets
@@ -50,14 +54,17 @@ def layer_linears(model: nn.Module) -> list[nn.Linear]:
     return [m for layer in model.model.layers for _, m in layer.named_modules() if isinstance(m, nn.Linear)]
 
 
-def profile(name: str, context: int, repeats: int, gbs: float) -> dict[str, Any]:
+def profile(name: str, context: int, repeats: int) -> dict[str, Any]:
     model = build_model(name)
+    bw = bandwidth(model)
+    gbs = bw["gbs"]
     spec = ModelCacheSpec.from_model(model)
     head_only = with_fast_head(model)
     fast = with_fast_linears(model)
     linears = layer_linears(model)
     layer_bytes = sum(m.weight.nbytes for m in linears)
     out: dict[str, Any] = {"model": name, "context": context, "layers": len(model.model.layers)}
+    out["bandwidth"] = bw
     out["floor_ms"] = round(weight_bytes(model) / gbs / 1e6, 1)
     out["layer_linears_floor_ms"] = round(layer_bytes / gbs / 1e6, 1)
 
@@ -75,8 +82,30 @@ def profile(name: str, context: int, repeats: int, gbs: float) -> dict[str, Any]
         return run
 
     out["step_ms"] = round(median_ms(step(fast), repeats), 1)
+    # The working set's pipelining (kvshelf.kv.working_set.PIPELINE) off and on again, each
+    # twice, alternating, so drift in the machine's load touches both alike.
+    pipelined: dict[bool, list[float]] = {False: [], True: []}
+    default = working_set.PIPELINE
+    for on in (False, True, False, True):
+        working_set.PIPELINE = on
+        pipelined[on].append(median_ms(step(fast), repeats))
+    working_set.PIPELINE = default
+    out["step_no_pipeline_ms"] = round(statistics.median(pipelined[False]), 1)
+    out["step_pipeline_ms"] = round(statistics.median(pipelined[True]), 1)
     out["step_head_gemv_only_ms"] = round(median_ms(step(head_only), repeats), 1)
     out["body_ms"] = round(median_ms(step(model.model), repeats), 1)
+    # The Python side of the body: building its graph (every layer's MLX calls, the working
+    # set's upkeep), timed apart from MLX evaluating it.
+    built: list[float] = []
+
+    def body_built() -> None:
+        t = time.perf_counter()
+        y = model.model(x, cache=ws.caches([0], [cache.layers]))
+        built.append((time.perf_counter() - t) * 1e3)
+        mx.eval(y, cache.arrays(), ws.arrays())
+
+    median_ms(body_built, repeats)
+    out["body_graph_build_ms"] = round(statistics.median(built[2:]), 1)
     out["body_gemv_ms"] = round(median_ms(step(getattr(fast, "body", model.model)), repeats), 1)
     empty = make_prompt_cache(model)
     fill(empty, spec, 1, seed=4)
@@ -110,6 +139,25 @@ def profile(name: str, context: int, repeats: int, gbs: float) -> dict[str, Any]
         mx.eval(fetched, cache.arrays(), ws.arrays())
 
     out["cache_update_and_fetch_ms"] = round(median_ms(cache_path, repeats), 1)
+    built.clear()
+
+    def cache_built() -> None:
+        t = time.perf_counter()
+        got = [c.update_and_fetch(k, v) for c, (k, v) in zip(ws.caches([0], [cache.layers]), kvs)]
+        built.append((time.perf_counter() - t) * 1e3)
+        mx.eval(got, cache.arrays(), ws.arrays())
+
+    median_ms(cache_built, repeats)
+    out["cache_update_graph_build_ms"] = round(statistics.median(built[2:]), 1)
+    masks_built: list[float] = []
+
+    def masks() -> None:
+        t = time.perf_counter()
+        got = [c.make_mask(1) for c in ws.caches([0], [cache.layers])]
+        masks_built.append((time.perf_counter() - t) * 1e3)
+        mx.eval([m for m in got if isinstance(m, mx.array)])
+
+    out["masks_ms"] = round(median_ms(masks, repeats), 2)
     queries = [mx.random.normal((1, heads, 1, k.shape[-1])) for k, _ in fetched]
     mx.eval(queries)
 
@@ -135,6 +183,16 @@ def profile(name: str, context: int, repeats: int, gbs: float) -> dict[str, Any]
     )
     del layers
 
+    # What mx.compile of the non-attention parts gains: every layer's MLP on one row,
+    # in one graph, as the model runs it and compiled (checked bit-identical first).
+    mlps = [layer.mlp for layer in model.model.layers]
+    compiled = [mx.compile(mlp) for mlp in mlps]
+    hidden = mx.random.normal((1, 1, model.model.layers[0].mlp.down_proj.weight.shape[0]))
+    mx.eval(hidden)
+    out["mlp_compiled_bit_identical"] = all(mx.array_equal(f(hidden), m(hidden)).item() for f, m in zip(compiled, mlps))
+    out["mlps_ms"] = round(median_ms(lambda: mx.eval([m(hidden) for m in mlps]), repeats), 1)
+    out["mlps_compiled_ms"] = round(median_ms(lambda: mx.eval([f(hidden) for f in compiled]), repeats), 1)
+
     rows = [mx.random.normal((1, 1, m.weight.shape[1])) for m in linears]
     mx.eval(rows)
 
@@ -157,7 +215,8 @@ def profile(name: str, context: int, repeats: int, gbs: float) -> dict[str, Any]
                 sgemv(w, v)
 
         out["linears_sgemv_ms"] = round(median_ms(blas_linears, repeats), 1)
-    print(f"{name} at {context}: " + ", ".join(f"{k} {v}" for k, v in out.items() if k not in ("model", "context")))
+    shown = {k: v for k, v in out.items() if k not in ("model", "context", "bandwidth")}
+    print(f"{name} at {context}: " + ", ".join(f"{k} {v}" for k, v in shown.items()))
     return out
 
 
@@ -167,10 +226,11 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--repeats", type=int, default=7)
     args = parser.parse_args()
-    bw = bandwidth_gbs()
-    gbs = max(bw.values())
-    rows = [profile(name, args.context, args.repeats, gbs) for name in args.models.split(",")]
-    print(f"wrote {write_json('decode-profile', {'bandwidth': bw, 'rows': rows})}")
+    load_start = list(os.getloadavg())
+    rows = [profile(name, args.context, args.repeats) for name in args.models.split(",")]
+    loads = {"load_average_at_start": load_start, "load_average_at_end": list(os.getloadavg())}
+    print(loads)
+    print(f"wrote {write_json('decode-profile', {'floor_method': FLOOR_METHOD, **loads, 'rows': rows})}")
 
 
 if __name__ == "__main__":

@@ -16,12 +16,21 @@ from kvbench.settings import QUICK, with_overrides  # noqa: E402
 
 
 def test_decode_section_measures_each_batch_against_the_floor(tiny_dirs, tmp_path):
-    settings = with_overrides(QUICK, ["decode_contexts=300,600", "decode_batches=1,3", "decode_steps=2"])
+    settings = with_overrides(
+        QUICK, ["decode_contexts=300,600", "decode_batches=1,3", "decode_steps=2", "decode_stream_mb=64"]
+    )
     ctx = BenchContext(settings, str(tiny_dirs["gemma3_text"]), tmp_path / "out", tmp_path / "work")
     try:
         result = decode_section.run(ctx)
     finally:
         ctx.close()
+    bw = result["bandwidth"]
+    # The floor's bandwidth: a streamed buffer by numpy and MLX, and the weights' own bytes
+    # through sgemv and numpy, each with its spread; the floor uses the highest best pass.
+    assert {"stream_numpy_sum", "stream_mlx_sum", "weights_numpy_sum"} <= set(bw["readings"])
+    assert bw["gbs"] == max(r["best_gbs"] for r in bw["readings"].values()) > 0
+    assert all(r["best_gbs"] >= r["median_gbs"] >= r["worst_gbs"] for r in bw["readings"].values())
+    assert "interleaved" in bw["method"] and bw["stream_mb"] == 64
     rows = result["table"]
     got = {(r["context"], r["path"].split()[0], r["batch"]) for r in rows}
     assert got == {(c, p, b) for c in (300, 600) for p, b in (("mlx-lm", 1), ("kvshelf", 1), ("kvshelf", 3))}

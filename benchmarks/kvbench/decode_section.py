@@ -18,7 +18,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from kvbench.charts import bars
 from kvbench.context import BenchContext
-from kvbench.decode_steps import bandwidth_gbs, fill, step_ms, weight_bytes
+from kvbench.decode_steps import bandwidth, fill, step_ms, weight_bytes
 from kvshelf.kv.agent_cache import AgentCache
 from kvshelf.kv.schemes import DEFAULT_SCHEME, SCHEMES
 
@@ -29,9 +29,8 @@ def run(ctx: BenchContext) -> dict:
     s = ctx.settings
     loaded = ctx.get_engine().loaded
     model, fast, spec = loaded.model, loaded.forward, loaded.spec
-    bw = bandwidth_gbs()
-    gbs = max(bw.values())
-    floor_ms = weight_bytes(model) / gbs / 1e6
+    bw = bandwidth(model, megabytes=s.decode_stream_mb)
+    floor_ms = weight_bytes(model) / bw["gbs"] / 1e6
     rows: list[dict] = []
 
     def row(context: int, path: str, batch: int, times: list[float], working_mb: float | None = None) -> None:

@@ -55,6 +55,7 @@ class Settings:
     decode_batches: tuple[int, ...] = (1, 4, 8)
     decode_steps: int = 5
     decode_warmup: int = 2
+    decode_stream_mb: int = 1024  # the floor's streamed buffer (kvbench.decode_steps.FLOOR_METHOD)
     # Invariance (kvbench.invariance): conversations through every cache path (issue 21: 50 of 300-3000)
     invariance_conversations: int = 10
     invariance_min_tokens: int = 300

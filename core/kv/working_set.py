@@ -41,6 +41,7 @@ from its blocks, never from stale rows.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Collection, Hashable, Sequence
 from typing import Any
 
@@ -52,6 +53,16 @@ from kvshelf.kv.blocks import QuantizedLayerCache
 # Free columns added whenever a buffer fills up: a grow copies the buffer, so it comes
 # once every GROW_COLUMNS steps.
 GROW_COLUMNS = 128
+
+# Whether each layer starts MLX on the step so far (``mx.async_eval`` of its new K/V, that
+# is every earlier layer and this one's projections) before Python builds the rest of the
+# step's graph: building a step's graph is Python work (11.6 ms of the 30-layer llama's
+# body at batch 1, benchmarks/decode_profile.py, load 2.4), which otherwise comes before
+# any of MLX's. The same operations run on the same inputs, so no result changes by a bit
+# (tested). Off by default: its effect on a step's time has not been measured under the
+# benchmark lock yet (``benchmarks/decode.py --paths default,pipeline``);
+# ``KVSHELF_DECODE_PIPELINE=1`` turns it on.
+PIPELINE = os.environ.get("KVSHELF_DECODE_PIPELINE", "").lower() in ("1", "true", "yes")
 
 Rows = tuple[mx.array, ...]  # one dense array, or a packed (words, scales, biases) triple
 Layers = Sequence[QuantizedLayerCache]  # one agent's caches, one per model layer
@@ -116,6 +127,8 @@ class DecodeLayer(BatchLayerView):
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[Any, Any]:
         if keys.shape[2] != 1:
             raise ValueError("a decode working set takes one token per agent per step")
+        if PIPELINE:
+            mx.async_eval(keys, values)
         if self._passthrough:
             out = self.members[0].update_and_fetch(keys, values)
             self.synced = [self.members[0].offset]
