@@ -76,6 +76,7 @@ def main() -> None:
     parser.add_argument("--kinds", default="tool,json", help="tool, json or both")
     parser.add_argument("--modes", default="free,constrained", help="free, constrained or both")
     parser.add_argument("--fields", default="", help="schema sizes to run, e.g. 14,20 (overrides --schemas)")
+    parser.add_argument("--reference-tokens", type=int, default=64, help="the unconstrained step's free decode")
     parser.add_argument("--deadline-s", type=float, default=0.0, help="start no case after this (0: no limit)")
     parser.add_argument("--merge", nargs="+", type=Path, metavar="DIR", help="OUT then the parts' folders")
     parser.add_argument("--model", default="embedded")
@@ -93,6 +94,7 @@ def main() -> None:
         structured_fields=tuple(int(k) for k in args.fields.split(",") if k),
         structured_cases=tuple(c for c in args.cases.split(",") if c),
         structured_deadline_s=args.deadline_s,
+        structured_reference_tokens=args.reference_tokens,
     )
     out = Path(__file__).parent / "results" / f"structured-{time.strftime('%Y%m%d-%H%M%S')}"
     print(f"wrote {run(settings, args.model, out)}")

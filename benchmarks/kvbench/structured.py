@@ -428,7 +428,7 @@ def run(ctx: BenchContext) -> dict:
             row[f"{key}_decode_tokens"] = n
             row[f"{key}_ms_per_token"] = _ms_per_token(r)
             row[f"{key}_finish"] = "broke" if broke else r.finish_reason
-            row[f"{key}_reply"] = whole[:400]
+            row[f"{key}_reply"] = whole if key == "constrained" else whole[:400]  # whole: grammar_libs.py replays it
             if broke is not None:
                 row["free_broke_at"] = broke["at"]
             if key == "constrained":
