@@ -376,7 +376,7 @@ def run(ctx: BenchContext) -> dict:
 
     s = ctx.settings
     started = time.perf_counter()
-    load_start = list(os.getloadavg())
+    load_start = [round(x, 2) for x in os.getloadavg()]
     engine = ctx.get_engine()
     cases = selected_cases(s)
     width = engine.vocabulary.llg.vocab_size
@@ -448,7 +448,7 @@ def run(ctx: BenchContext) -> dict:
     summary = _summary(rows, floor["floor_ms"])
     if rows and all(f"{k}_valid" in r for r in rows for k in ("free", "constrained")):
         part: dict[str, Any] = {"name": ctx.out_dir.name, "cases": _names(cases[: len(rows)]), "floor": floor}
-        part |= {"load_start": load_start, "load_end": list(os.getloadavg())}
+        part |= {"load_start": load_start, "load_end": [round(x, 2) for x in os.getloadavg()]}
         (ctx.out_dir / "TABLE.md").write_text(table_md(rows, [part | {"elapsed_s": time.perf_counter() - started}]))
     shown = ("free_reply", "constrained_reply", "constrained_token_ids", "mask_compute_max_ms", "mask_compute_p99_ms")
     return {
