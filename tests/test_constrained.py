@@ -167,6 +167,29 @@ def test_constrained_and_free_requests_share_one_decode_batch(engine):
     jsonschema.validate(json.loads(results["json"].text), closed(SCHEMAS[3]))
 
 
+def test_a_grammar_not_enforced_only_ends_the_reply_where_it_breaks(engine):
+    """A validator (``enforced=False``) masks nothing: the reply is the free reply's own
+    tokens, up to and including the first one its grammar refuses, and ends there."""
+    import dataclasses
+
+    import llguidance
+
+    from kvshelf.structured.plan import plan_output
+
+    plan = plan_output(response_format=_fmt(SCHEMAS[3]))
+    assert plan.grammar is not None
+    messages = plan.messages(ASK)
+    free = engine.chat(None, messages, max_tokens=60)
+    validator = dataclasses.replace(plan.grammar, enforced=False)
+    checked = engine.chat(None, messages, max_tokens=60, grammar=validator)
+    matcher = llguidance.LLMatcher(engine.vocabulary.llg, validator.source, log_level=0)
+    matcher.consume_tokens(engine.vocabulary.encode(plan.opening))
+    kept = matcher.try_consume_tokens(free.token_ids)
+    assert kept < len(free.token_ids)  # a random model's free reply leaves the schema
+    assert checked.token_ids == free.token_ids[: kept + 1]
+    assert checked.finish_reason == "stop"
+
+
 def test_a_constrained_turn_leaves_the_cache_exact_and_restores_warm(tiny_dirs, tmp_path):
     """The mask only picks tokens: the agent's cache after a constrained turn is the cache of
     those tokens, and restoring it from disk continues exactly as computing it fresh."""

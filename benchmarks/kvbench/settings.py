@@ -84,6 +84,9 @@ class Settings:
     structured_modes: tuple[str, ...] = ("free", "constrained")  # one alone: a run split in two
     structured_max_tokens: int = 64
     structured_tokens_per_field: int = 32
+    structured_cases: tuple[str, ...] = ()  # e.g. ("tool:1-18",): a part of the full run (overrides the above)
+    structured_reference_tokens: int = 64  # the unconstrained step: a free decode of this many tokens per kind
+    structured_deadline_s: float = 0.0  # start no case after this many seconds (0: no limit)
     seed: int = 0
     notes: tuple[str, ...] = field(default_factory=tuple)
 

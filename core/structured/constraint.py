@@ -10,6 +10,10 @@ mask is computed on a small thread pool (llguidance releases the GIL), while the
 runs the next decode step; ``masked`` only waits for it in the rare step where the
 forward pass was faster. ``benchmarks/structured.py`` measures what is left.
 
+A grammar that is not ``enforced`` is a validator only: ``masked`` returns the logits
+untouched (no mask is computed), ``advance`` feeds the matcher the sampled token and ends
+the reply at the first token the grammar refuses, recording why (``violation``).
+
 The KV cache never sees any of this: a mask only narrows the choice of the next token,
 and the tokens chosen are cached, saved and restored like any others.
 """
@@ -73,7 +77,11 @@ class TokenConstraint:
         self.grammar = grammar
         self.steps = 0
         self.waited_s = 0.0  # time ``masked`` spent waiting for a mask (the cost left on the step)
-        self._next: Future[bytes] = _POOL.submit(self._matcher.compute_bitmask)
+        self.violation: str | None = None  # a validator's reason for ending the reply (its last token broke it)
+        self._next: Future[bytes] | None = self._prefetch()
+
+    def _prefetch(self) -> Future[bytes] | None:
+        return _POOL.submit(self._matcher.compute_bitmask) if self.grammar.enforced else None
 
     @property
     def done(self) -> bool:
@@ -83,12 +91,15 @@ class TokenConstraint:
     def allowed(self) -> np.ndarray:
         """The next token's mask, one bool per token id (waits for the prefetch)."""
         t0 = time.perf_counter()
-        bits = self._next.result()
+        bits = self._next.result() if self._next is not None else self._matcher.compute_bitmask()
         self.waited_s += time.perf_counter() - t0
         return np.unpackbits(np.frombuffer(bits, dtype=np.uint8), bitorder="little")[: self._size].astype(bool)
 
     def masked(self, logits: mx.array) -> mx.array:
-        """``logits`` (vocab,) with every token the grammar refuses set to -inf."""
+        """``logits`` (vocab,) with every token the grammar refuses set to -inf (a
+        validator's: as they are)."""
+        if not self.grammar.enforced:
+            return logits
         allowed = self.allowed()
         width = logits.shape[-1]
         if width != allowed.shape[0]:  # a model's head may be padded past the tokenizer
@@ -103,9 +114,11 @@ class TokenConstraint:
         The next mask starts computing at once, beside the next decode step."""
         self.steps += 1
         if not self._matcher.consume_token(token):
-            log.warning("constrained decoding: token %d refused (%s)", token, self._matcher.get_error())
+            self.violation = self._matcher.get_error()
+            if self.grammar.enforced:
+                log.warning("constrained decoding: token %d refused (%s)", token, self.violation)
             return True
         if self._matcher.is_stopped():
             return True
-        self._next = _POOL.submit(self._matcher.compute_bitmask)
+        self._next = self._prefetch()
         return False

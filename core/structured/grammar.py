@@ -57,11 +57,18 @@ class Grammar:
 
     ``opening`` is the start of the reply that kvshelf writes into the prompt (``{`` for
     a JSON object, ``<tool_call>{"name": "`` for a forced call): the grammar covers the
-    whole reply, and the matcher is fed the opening before the model's first token."""
+    whole reply, and the matcher is fed the opening before the model's first token.
+
+    ``enforced=False`` makes it a validator only: no mask is applied (the model samples
+    from its own logits, as unconstrained), the matcher consumes each sampled token, and
+    the reply ends at the first token the grammar refuses (a reply that can no longer
+    become valid need not run on to ``max_tokens``). ``benchmarks/structured.py`` uses it
+    for the unconstrained side of its table."""
 
     source: str
     opening: str = ""
     description: str = ""
+    enforced: bool = True
 
 
 def closed(schema: Any) -> Any:
