@@ -241,6 +241,18 @@ def _placed(cluster: Cluster, prefix: str, count: int) -> list[str]:
     raise RuntimeError(f"the balancer sent no even split of {count} agents: {want} still wanted")
 
 
+def _placed_on(cluster: Cluster, prefix: str, node: str) -> str:
+    """An agent name that the balancer sends to ``node`` (asked as ``_placed`` does)."""
+    import httpx
+
+    for i in range(1000):
+        name = f"{prefix}-{i}"
+        r = httpx.get(f"{cluster.url}/v1/agents/{name}", headers={"X-Agent-Id": name}, timeout=30)
+        if cluster.node_of(r.headers.get("x-kvshelf-node")).name == node:
+            return name
+    raise RuntimeError(f"the balancer sent none of 1000 names to {node}")
+
+
 def _health(url: str) -> dict:
     import httpx
 
@@ -313,6 +325,10 @@ def failover(model: str, work: Path, size: Size) -> list[dict]:
         cold = mover.acked[-1]
         victim = cluster.node_of(header)
         record = next((work / "failover" / "store").rglob("mover.safetensors"))
+        # a second agent as long, on the same node: moved too, but taken once the talkers
+        # have stopped, so its TTFT is the restore and the prefill alone, with no queue
+        quiet = Agent(_placed_on(cluster, "mover-quiet", victim.name), int(size.failover_tokens * 0.75), 8)
+        assert quiet.turn(http, cluster.url)[0] == 200
         record_bytes, read_bps = record.stat().st_size, _cold_read_bandwidth(record)
         talkers = [Agent(f"load-{i}", 150, 8) for i in range(size.load_agents)]
         for a in talkers:
@@ -372,6 +388,8 @@ def failover(model: str, work: Path, size: Size) -> list[dict]:
         stop.set()
         for t in threads:
             t.join()
+        quiet_status, quiet_data, quiet_node, *_ = quiet.turn(http, cluster.url)
+        assert quiet_status == 200 and quiet_data is not None, quiet_status
         # 4: every acknowledged turn is still there: each agent's next turn finds it cached
         lost = 0
         for a in talkers:
@@ -414,6 +432,12 @@ def failover(model: str, work: Path, size: Size) -> list[dict]:
                 "cold_under_load_prompt_tokens": twin_data["usage"]["prompt_tokens"],
                 "cold_under_load_node": twin_node,
                 "ttft_cold_under_load_over_moved": round(twin_data["kvshelf"]["ttft_s"] / moved_ext["ttft_s"], 1),
+                # the same restore once the node is quiet: the store and the prefill alone
+                "moved_quiet_ttft_s": quiet_data["kvshelf"]["ttft_s"],
+                "moved_quiet_cache": quiet_data["kvshelf"]["cache"],
+                "moved_quiet_cached_tokens": quiet_data["usage"]["prompt_tokens_details"]["cached_tokens"],
+                "moved_quiet_node": quiet_node,
+                "ttft_cold_over_moved_quiet": round(quiet.acked[0]["ttft_s"] / quiet_data["kvshelf"]["ttft_s"], 1),
                 "record_bytes": record_bytes,
                 "store_read_MBps": round(read_bps / 1e6, 1),
                 "restore_floor_s": round(record_bytes / read_bps, 4),
