@@ -157,6 +157,25 @@ def test_long_prefill_does_not_stall_decoding_agents(tiny_dirs, tmp_path):
     assert rest.usage.completion_tokens == 40
 
 
+def test_a_turn_cut_at_a_message_boundary_is_prefilled_in_one_step(tiny_dirs, tmp_path):
+    """The calls a prompt is cut into at its message boundaries (checkpoints, on a model
+    with sliding layers) run back to back in one step, not one a step with a whole decode
+    round of every other agent in between; a long prompt still takes a step per chunk."""
+    engine = Engine(model=tiny_dirs["gemma3_text"], cache_dir=tmp_path)
+    before = dict(engine.stats)
+    engine.chat("ann", msgs(PROMPTS["ann"]), max_tokens=2)
+    calls = engine.stats["prefill_calls"] - before["prefill_calls"]
+    assert calls >= 2, "the system text's end is a boundary: at least two calls"
+    assert engine.stats["prefill_steps"] - before["prefill_steps"] == 1
+    chunked = Engine(model=tiny_dirs["gemma3_text"], cache_dir=tmp_path / "chunked", prefill_chunk=64)
+    long_prompt = " ".join(PROMPTS.values()) * 2  # ~500 byte tokens: 8 chunks of 64
+    before = dict(chunked.stats)
+    chunked.chat("ben", msgs(long_prompt), max_tokens=2)
+    calls = chunked.stats["prefill_calls"] - before["prefill_calls"]
+    assert calls >= 8
+    assert chunked.stats["prefill_steps"] - before["prefill_steps"] == calls
+
+
 CRASH_LOOP = """
 import sys, kvshelf
 from kvshelf.runtime.engine import Engine

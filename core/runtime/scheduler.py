@@ -4,8 +4,10 @@ One worker thread owns the model and every cache. Each step it
 1. admits waiting requests (per agent in arrival order, one at a time, and only once
    that agent's previous save is on disk); an agent that is not in RAM is restored
    from disk on the I/O thread meanwhile (prefetch), while others keep decoding;
-2. runs one prefill call (at most ``prefill_chunk`` tokens) for the oldest request
-   still prefilling, so a long prompt never stalls decoding agents by more than a chunk;
+2. runs prefill calls for the requests still prefilling, oldest first, at most
+   ``prefill_chunk`` tokens' worth in all, so a long prompt never stalls decoding agents
+   by more than a chunk, while short turns (cut at a message boundary for a checkpoint)
+   each end in one step, several to a step;
 3. runs one batched decode step for every agent that is generating, over the decode
    working set (``kvshelf.kv.working_set``), which it keeps while that set is unchanged.
 Every agent's cache is borrowed from the shelf (``kvshelf.runtime.shelf``), which owns
@@ -49,7 +51,20 @@ log = logging.getLogger(__name__)
 # separate call for the last token); a longer one is chunked, then its last token.
 FINAL_CALL_MAX_TOKENS = 32
 
+# Every model call reads all the weights once, however few its tokens: on the embedded
+# Gemma 3 here (2 cores, under the benchmark lock) a 3-token call took 150-260 ms and an
+# 11-token one 270-400 ms, against about 1.4 s for a 256-token chunk. So a step's prefill
+# budget counts each call as at least this many tokens: a few small calls share a step,
+# and a step's prefill stays within about a chunk's time.
+CALL_COST_FLOOR = 64
+
 T = TypeVar("T")
+
+
+def call_cost(n: int, chunk: int) -> int:
+    """What a prefill call of ``n`` tokens takes from a step's budget of ``chunk``: never
+    more than all of it, so a step always has room for its first call."""
+    return min(max(n, CALL_COST_FLOOR), chunk)
 
 
 def forward_plan(n: int, chunk: int) -> list[int]:
@@ -157,7 +172,14 @@ class Scheduler:
         shelf.pool.working_bytes = lambda: working.nbytes_of(decoding)
         self._stopping = False
         self._closed = False
-        self.stats = {"decode_steps": 0, "decoded_tokens": 0, "max_batch": 0, "prefill_calls": 0, "background_calls": 0}
+        self.stats = {
+            "decode_steps": 0,
+            "decoded_tokens": 0,
+            "max_batch": 0,
+            "prefill_calls": 0,
+            "prefill_steps": 0,  # steps that ran prefill calls (several calls may share one)
+            "background_calls": 0,
+        }
         self._thread = threading.Thread(target=self._run, name="kvshelf-scheduler", daemon=True)
         self._thread.start()
         _close_at_exit(self)
@@ -285,17 +307,28 @@ class Scheduler:
         return True
 
     def _prefill_step(self) -> bool:
-        """One model call for the oldest prefilling request that is ready; False if none was.
+        """Prefill calls for the ready requests, oldest first, at most ``prefill_chunk``
+        tokens' worth in all (``call_cost``); False if none ran.
+
+        A turn's few new tokens are cut at a message boundary into two calls, and several
+        agents' turns may be ready at once: one call a step would make each call wait a
+        whole batched decode round of every other agent (a moved agent's 14 tokens, 3 + 11,
+        waited 0.3-0.7 s so on a loaded node, then as long again behind another agent's
+        turn). The calls are the same, so are the numbers; only how decode rounds
+        interleave them changes. A request that still has calls left when the budget is
+        spent keeps its place: no later one goes ahead of it.
 
         Background requests (prefill ahead) get a call only while no other request waits
         for its first token, so such a request waits at most for one background chunk.
         """
         foreground = any(not r.background for r in self._waiting + self._prefilling)
-        for r in self._prefilling:
+        budget, worked = self._prefill_chunk, False
+        for r in list(self._prefilling):
             if r.cancelled:
                 self._prefilling.remove(r)
                 self._complete(r)
-                return True
+                worked = True
+                continue
             if r.background and foreground:
                 continue
             try:
@@ -303,52 +336,63 @@ class Scheduler:
                     continue
             except Exception as exc:  # the record could not be read at all
                 self._fail(r, exc)
-                return True
-            assert r.cache is not None
-            n = r.plan.pop(0)
-            self.stats["prefill_calls"] += 1
-            self.stats["background_calls"] += r.background
-            ids, r.todo = r.todo[:n], r.todo[n:]
-            want = not r.plan and not r.background  # only the last call's logits are read
-            out = prefill_logits(self._forward([r]), mx.array(ids)[None], r.cache.layers, want)
-            r.cache.tokens.extend(ids)
-            if r.plan:
-                mx.eval(r.cache.arrays())
-                if r.progress is not None:  # a caller showing a long prefill (worker thread: keep it quick)
-                    r.progress(len(r.prompt) - len(r.todo), len(r.prompt))
-                if len(r.cache.tokens) in r.boundaries:
-                    r.cache.checkpoint()
-                return True
-            if r.background:  # its logits are never read: only the cache is computed
-                mx.eval(r.cache.arrays())
-                self._prefilling.remove(r)
-                self._complete(r, emit_result=False)
-                r.emit(Stopped())
-                return True
-            assert out is not None
-            logits = out
-            mx.eval(logits, r.cache.arrays())
+                worked = True
+                continue
+            while r in self._prefilling and not r.cancelled and call_cost(r.plan[0], self._prefill_chunk) <= budget:
+                budget -= call_cost(r.plan[0], self._prefill_chunk)
+                self._prefill_call(r)
+                worked = True
+            if r in self._prefilling:
+                break
+        self.stats["prefill_steps"] += budget < self._prefill_chunk
+        return worked
+
+    def _prefill_call(self, r: Request) -> None:
+        """``r``'s next prefill call (its cache ready). The last call samples the first
+        token (``r`` then decodes) or ends a prefill-only request."""
+        assert r.cache is not None
+        n = r.plan.pop(0)
+        self.stats["prefill_calls"] += 1
+        self.stats["background_calls"] += r.background
+        ids, r.todo = r.todo[:n], r.todo[n:]
+        want = not r.plan and not r.background  # only the last call's logits are read
+        out = prefill_logits(self._forward([r]), mx.array(ids)[None], r.cache.layers, want)
+        r.cache.tokens.extend(ids)
+        if r.plan:
+            mx.eval(r.cache.arrays())
+            if r.progress is not None:  # a caller showing a long prefill (worker thread: keep it quick)
+                r.progress(len(r.prompt) - len(r.todo), len(r.prompt))
+            if len(r.cache.tokens) in r.boundaries:
+                r.cache.checkpoint()
+            return
+        if r.background:  # its logits are never read: only the cache is computed
+            mx.eval(r.cache.arrays())
             self._prefilling.remove(r)
-            if r.sampler is None:
-                result = np.array(logits.astype(mx.float32))
-                settled = self._complete(r, emit_result=False)
-                if settled is None:
-                    r.emit(Prefilled(result, r.cached))
-                else:  # a durable shelf answers once the save has ended, saying how it went
-                    # A done future keeps its callbacks: hand over through a box emptied on
-                    # use, so the logits and the caller's emit (which may hold the request
-                    # and its cache) are not kept alive with the agent's last save.
-                    box = [(r.emit, result, r.cached)]
+            self._complete(r, emit_result=False)
+            r.emit(Stopped())
+            return
+        assert out is not None
+        logits = out
+        mx.eval(logits, r.cache.arrays())
+        self._prefilling.remove(r)
+        if r.sampler is None:
+            result = np.array(logits.astype(mx.float32))
+            settled = self._complete(r, emit_result=False)
+            if settled is None:
+                r.emit(Prefilled(result, r.cached))
+            else:  # a durable shelf answers once the save has ended, saying how it went
+                # A done future keeps its callbacks: hand over through a box emptied on
+                # use, so the logits and the caller's emit (which may hold the request
+                # and its cache) are not kept alive with the agent's last save.
+                box = [(r.emit, result, r.cached)]
 
-                    def deliver(f: Future) -> None:
-                        emit, logits, cached = box.pop()
-                        emit(Prefilled(logits, cached, f.result()))
+                def deliver(f: Future) -> None:
+                    emit, logits, cached = box.pop()
+                    emit(Prefilled(logits, cached, f.result()))
 
-                    settled.add_done_callback(deliver)
-            else:
-                self._accept(r, logits)
-            return True
-        return False
+                settled.add_done_callback(deliver)
+        else:
+            self._accept(r, logits)
 
     def _forward(self, requests: list[Request]) -> Any:
         """The model call for a step of ``requests``: the shape-invariant kernels if any of
