@@ -56,7 +56,7 @@ import numpy as np
 
 from kvbench.charts import bars
 from kvbench.context import BenchContext
-from kvbench.decode_steps import bandwidth_gbs, weight_bytes
+from kvbench.decode_steps import bandwidth, weight_bytes
 
 TITLE = "Structured output: valid replies constrained vs unconstrained, and the mask's cost per token"
 
@@ -345,7 +345,7 @@ def _replay_mask(engine: Any, grammar: Any, tokens: list[int], width: int) -> tu
 
 def _floor_ms(engine: Any) -> dict[str, float]:
     """A decode step's floor: the model's weight bytes over the bandwidth measured now."""
-    gbs = max(bandwidth_gbs(megabytes=256, repeats=5).values())
+    gbs = bandwidth(engine.loaded.model, megabytes=256, repeats=5)["gbs"]
     return {"floor_ms": weight_bytes(engine.loaded.model) / gbs / 1e6, "bandwidth_gbs": gbs}
 
 
