@@ -41,7 +41,6 @@ larger pieces: not done yet.
 
 from __future__ import annotations
 
-import copy
 from functools import cache
 from typing import Any
 
@@ -50,6 +49,7 @@ import mlx.nn as nn
 from mlx_lm.models.base import scaled_dot_product_attention
 from mlx_lm.models.cache import KVCache
 
+from kvshelf.model.module_tree import with_children
 from kvshelf.model.spec import BLOCK_TOKENS
 
 # Attention classes whose __call__ is: q/k/v projections, per-head reshape, (per-head q/k
@@ -263,19 +263,4 @@ def invariant_attention_body(module: nn.Module, wrapped: list[InvariantAttention
         return module
     if not module.children():
         return module
-    new = copy.copy(module)
-    for key, value in module.items():
-        new[key] = _converted(value, wrapped)
-    return new
-
-
-def _converted(value: Any, wrapped: list[InvariantAttention] | None) -> Any:
-    if isinstance(value, nn.Module):
-        return invariant_attention_body(value, wrapped)
-    if isinstance(value, list):
-        return [_converted(v, wrapped) for v in value]
-    if isinstance(value, tuple):
-        return tuple(_converted(v, wrapped) for v in value)
-    if isinstance(value, dict):
-        return {k: _converted(v, wrapped) for k, v in value.items()}
-    return value
+    return with_children(module, lambda m: invariant_attention_body(m, wrapped))

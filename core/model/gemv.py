@@ -27,10 +27,8 @@ where no two logits are within that rounding.
 
 from __future__ import annotations
 
-import copy
 import os
 from collections.abc import Callable
-from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -39,6 +37,7 @@ import numpy as np
 from kvshelf.model.attention import invariant_attention_body
 from kvshelf.model.few_rows import MAX_FEW_ROWS, Gemm, batches_through_blis, system_gemm
 from kvshelf.model.head import ProjectedModel, buffer_view, dot_error_bound, system_sgemv, with_fast_head
+from kvshelf.model.module_tree import with_children
 
 Sgemv = Callable[[np.ndarray, np.ndarray], np.ndarray]
 
@@ -136,18 +135,6 @@ def _agrees(layer: GemvLinear) -> bool:
     return True
 
 
-def _converted(value: Any, make: Callable[[nn.Module], nn.Module]) -> Any:
-    if isinstance(value, nn.Module):
-        return make(value)
-    if isinstance(value, list):
-        return [_converted(v, make) for v in value]
-    if isinstance(value, tuple):
-        return tuple(_converted(v, make) for v in value)
-    if isinstance(value, dict):
-        return {k: _converted(v, make) for k, v in value.items()}
-    return value
-
-
 def gemv_body(
     module: nn.Module,
     sgemv: Sgemv,
@@ -167,10 +154,7 @@ def gemv_body(
         return module
     if not module.children():  # a leaf that stays as it is (a norm, an embedding, a biased linear)
         return module
-    new = copy.copy(module)
-    for key, value in module.items():
-        new[key] = _converted(value, lambda m: gemv_body(m, sgemv, gemm, wrapped, one_row, all_rows))
-    return new
+    return with_children(module, lambda m: gemv_body(m, sgemv, gemm, wrapped, one_row, all_rows))
 
 
 def with_fast_linears(
