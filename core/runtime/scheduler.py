@@ -157,8 +157,9 @@ class Scheduler:
     """Runs the step loop: the model over the caches the shelf lends it."""
 
     def __init__(self, loaded: LoadedModel, shelf: Shelf, *, prefill_chunk: int = 256):
-        self._loaded = loaded  # its forward, or its greedy_forward for requests at temperature 0
-        loaded.greedy_forward  # noqa: B018  (built now, its load-time checks included, not in the first request)
+        self._loaded = loaded  # its forward, for requests that sample
+        # for requests at temperature 0: built now, its load-time checks included, not in the first request
+        self._greedy_forward = loaded.greedy_forward
         self._tokenizer = loaded.tokenizer
         self._template_stops = list(loaded.template.stop_strings)
         self._shelf = shelf
@@ -399,7 +400,7 @@ class Scheduler:
         them decodes at temperature 0 or only prefills (``LoadedModel.greedy_forward``), so a
         greedy reply never depends on its batch-mates; the default ones otherwise."""
         greedy = any(r.sampler is None or r.sampler.temperature == 0 for r in requests)
-        return self._loaded.greedy_forward if greedy else self._loaded.forward
+        return self._greedy_forward if greedy else self._loaded.forward
 
     def _decode_step(self) -> bool:
         """One batched decode step for every generating agent; False if there were none."""
