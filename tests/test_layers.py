@@ -14,9 +14,21 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
-# Lowest first. ``errors`` and ``paths`` are leaves every layer may use; the apps
-# (``cli``, ``demo``, ``doctor``) sit on top of everything.
-LAYERS = ["errors", "paths", "model", "kv", "storage", "structured", "runtime", "serving", "adapters", "apps"]
+# Lowest first. ``errors``, ``paths`` and ``switches`` are leaves every layer may use;
+# the apps (``cli``, ``demo``, ``doctor``) sit on top of everything.
+LAYERS = [
+    "errors",
+    "paths",
+    "switches",
+    "model",
+    "kv",
+    "storage",
+    "structured",
+    "runtime",
+    "serving",
+    "adapters",
+    "apps",
+]
 
 
 def layer_of(module: str) -> str | None:

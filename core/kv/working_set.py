@@ -41,7 +41,6 @@ from its blocks, never from stale rows.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Collection, Hashable, Sequence
 from typing import Any
 
@@ -49,6 +48,7 @@ import mlx.core as mx
 
 from kvshelf.kv.batch import BatchLayerView
 from kvshelf.kv.blocks import QuantizedLayerCache
+from kvshelf.switches import env_on
 
 # Free columns added whenever a buffer fills up: a grow copies the buffer, so it comes
 # once every GROW_COLUMNS steps.
@@ -62,7 +62,7 @@ GROW_COLUMNS = 128
 # (tested). Off by default: its effect on a step's time has not been measured under the
 # benchmark lock yet (``benchmarks/decode.py --paths default,pipeline``);
 # ``KVSHELF_DECODE_PIPELINE=1`` turns it on.
-PIPELINE = os.environ.get("KVSHELF_DECODE_PIPELINE", "").lower() in ("1", "true", "yes")
+PIPELINE = env_on("KVSHELF_DECODE_PIPELINE")
 
 Rows = tuple[mx.array, ...]  # one dense array, or a packed (words, scales, biases) triple
 Layers = Sequence[QuantizedLayerCache]  # one agent's caches, one per model layer

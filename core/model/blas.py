@@ -31,6 +31,7 @@ from pathlib import Path
 
 from kvshelf.model import pip_openblas
 from kvshelf.paths import kvshelf_home
+from kvshelf.switches import env_on
 
 OPENBLAS_CANDIDATES = (
     "/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3",
@@ -45,11 +46,6 @@ loaded_path: str | None = None
 loaded_source: str | None = None  # which of the candidates above was loaded
 extra_refused: str | None = None  # why the installed extra was not loaded (None: loaded, not needed or absent)
 mlx_first = False  # mlx.core was imported before kvshelf: too late to preload anything
-
-
-def env_on(name: str) -> bool:
-    """Whether the environment variable ``name`` is set to 1, true or yes."""
-    return os.environ.get(name, "").lower() in ("1", "true", "yes")
 
 
 def usable_cpus() -> int:

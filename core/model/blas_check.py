@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import TextIO
 
 from kvshelf.model import blas, pip_openblas
+from kvshelf.switches import env_on
 
 
 @dataclass(frozen=True)
@@ -100,20 +101,16 @@ def detect() -> BlasInfo:
 def extra_would_work() -> bool:
     """Whether ``kvshelf[openblas]`` would load here: Linux x86-64, the CPU's instruction sets,
     and a GNU Fortran runtime (the system's, or the one the mlx[cpu] wheel bundles)."""
-    if not sys.platform.startswith("linux") or platform.machine() not in ("x86_64", "AMD64"):
-        return False
-    if not pip_openblas.NEEDED_FLAGS <= pip_openblas.cpu_flags():
-        return False
-    return pip_openblas.system_fortran_runtime_loads() or pip_openblas.bundled_fortran_runtime() is not None
+    return pip_openblas.machine_refusal() is None
 
 
 def fix_for_this_os() -> str:
     """The command that gets a fast BLAS here (and the pip route, where it would work)."""
-    if os.environ.get("KVSHELF_NO_OPENBLAS", "").lower() in ("1", "true", "yes"):
+    if env_on("KVSHELF_NO_OPENBLAS"):
         return "unset KVSHELF_NO_OPENBLAS (it turns the OpenBLAS preload off)"
     if blas.mlx_first:
         return "import kvshelf before mlx (OpenBLAS must be loaded before mlx.core)"
-    if blas.env_on("KVSHELF_NO_SYSTEM_OPENBLAS") and blas.installed_path() is not None:
+    if env_on("KVSHELF_NO_SYSTEM_OPENBLAS") and blas.installed_path() is not None:
         system = "unset KVSHELF_NO_SYSTEM_OPENBLAS (the system's OpenBLAS is installed, and it skips it)"
     else:
         system = _system_fix()

@@ -55,6 +55,7 @@ from functools import cache
 import numpy as np
 
 from kvshelf.model.blas import usable_cpus
+from kvshelf.switches import env_on
 
 BLIS_CANDIDATES = (
     "/usr/lib/x86_64-linux-gnu/blis-pthread/libblis.so.4",
@@ -75,11 +76,11 @@ Gemm = Callable[[np.ndarray, np.ndarray], np.ndarray]
 def batches_through_blis() -> bool:
     """Whether a decode batch's 2..MAX_FEW_ROWS rows go through BLIS (off unless
     ``KVSHELF_BLIS_BATCHES=1``; read when a model's wrappers are built; see above)."""
-    return os.environ.get("KVSHELF_BLIS_BATCHES", "").lower() in ("1", "true", "yes")
+    return env_on("KVSHELF_BLIS_BATCHES")
 
 
 def _library() -> ctypes.CDLL | None:
-    if not sys.platform.startswith("linux") or os.environ.get("KVSHELF_NO_BLIS", "").lower() in ("1", "true", "yes"):
+    if not sys.platform.startswith("linux") or env_on("KVSHELF_NO_BLIS"):
         return None
     named = os.environ.get("KVSHELF_BLIS")
     for path in (named,) if named else BLIS_CANDIDATES:

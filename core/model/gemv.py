@@ -38,6 +38,7 @@ from kvshelf.model.attention import invariant_attention_body
 from kvshelf.model.few_rows import MAX_FEW_ROWS, Gemm, batches_through_blis, system_gemm
 from kvshelf.model.head import ProjectedModel, buffer_view, dot_error_bound, system_sgemv, with_fast_head
 from kvshelf.model.module_tree import with_children
+from kvshelf.switches import ON
 
 Sgemv = Callable[[np.ndarray, np.ndarray], np.ndarray]
 
@@ -59,7 +60,7 @@ ONE_ROW_SGEMV = False
 # benchmarks/invariance.py for what it changes and costs); ``KVSHELF_SHAPE_INVARIANT=1``
 # turns it on for the models loaded afterwards.
 _SWITCH = os.environ.get("KVSHELF_SHAPE_INVARIANT", "").lower()
-SHAPE_INVARIANT = _SWITCH in ("1", "true", "yes")
+SHAPE_INVARIANT = _SWITCH in ON
 # Requests at temperature 0 (and prefill-only ones, whose cache a greedy turn may extend)
 # run the shape-invariant kernels unless ``KVSHELF_SHAPE_INVARIANT=0``: the engine's
 # ``LoadedModel.greedy_forward``. Unset, the switch means exactly that: invariant at

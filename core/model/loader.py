@@ -75,7 +75,8 @@ class LoadedModel:
         attention ``kvshelf.model.attention``), so its reply does not depend on the chunking,
         the batch or the path its cache took (issue 21). ``forward`` itself where that is
         invariant already (``KVSHELF_SHAPE_INVARIANT=1``) or where it is turned off (``=0``).
-        Built on first use (the scheduler's thread), over the same weights."""
+        Built once, over the same weights, when a scheduler starts (its load-time checks
+        are then not paid by the first request)."""
         if gemv.SHAPE_INVARIANT or not gemv.GREEDY_INVARIANT:
             return self.forward
         return with_fast_linears(self.model, all_rows=True, attention=True)

@@ -118,16 +118,34 @@ def bundled_fortran_runtime() -> tuple[Path, Path] | None:
 
 def check(path: Path, cpuinfo: str | None = None) -> str | None:
     """Why the extra's OpenBLAS at ``path`` must not be loaded on this machine, or None."""
+    return _unsupported_machine(cpuinfo) or _one_cpu_build(path) or _no_fortran_runtime()
+
+
+def machine_refusal(cpuinfo: str | None = None) -> str | None:
+    """Why the extra could not be loaded on this machine whatever its build (the platform,
+    the CPU, the Fortran runtime), or None: where it would work once installed."""
+    return _unsupported_machine(cpuinfo) or _no_fortran_runtime()
+
+
+def _unsupported_machine(cpuinfo: str | None) -> str | None:
     if not sys.platform.startswith("linux") or platform.machine() not in ("x86_64", "AMD64"):
         return f"it is built for Linux x86-64, not {sys.platform} {platform.machine()}"
     missing = NEEDED_FLAGS - cpu_flags(cpuinfo)
     if missing:
         return f"this CPU lacks the instruction set(s) its kernels need ({', '.join(sorted(missing))})"
+    return None
+
+
+def _one_cpu_build(path: Path) -> str | None:
     try:
         if not _dispatches_at_run_time(path):
             return "this build is for one CPU (no DYNAMIC_ARCH), so its kernels may not run on this one"
     except (OSError, ValueError) as e:
         return f"it cannot be read ({e})"
+    return None
+
+
+def _no_fortran_runtime() -> str | None:
     if not system_fortran_runtime_loads() and bundled_fortran_runtime() is None:
         return f"it needs {FORTRAN_RUNTIME} (Debian/Ubuntu: sudo apt-get install -y libgfortran5)"
     return None
