@@ -270,6 +270,35 @@ def test_an_integer_without_bounds_cannot_run_on_forever():
     assert accepted == len('{"n": ') + 16  # 1111111111111111 < 2**53 - 1 < 11111111111111111
 
 
+def test_engines_on_one_tokenizer_share_one_built_vocabulary(tiny_dirs, tmp_path):
+    """llguidance's vocabulary (3-9 s to build for Gemma 3) is built once per tokenizer and
+    stop ids in a process, not once per engine, and goes when its tokenizer goes."""
+    import gc
+    import weakref
+
+    from kvshelf.model.loader import TextTokenizer, load
+    from kvshelf.structured import constraint
+    from tests.support.tiny import byte_tokenizer
+
+    loaded = load(tiny_dirs["llama"], progress=False)
+    first, second = (Engine(loaded, tmp_path / name, progress=False) for name in ("a", "b"))
+    try:
+        assert first.vocabulary.llg is second.vocabulary.llg
+        other_stops = TextTokenizer(loaded.tokenizer.tokenizer, None, frozenset({1}))
+        assert constraint.Vocabulary(other_stops).llg is not first.vocabulary.llg  # its own end tokens
+        r = second.chat(None, ASK, response_format=_fmt(SCHEMAS[1]), max_tokens=200)
+        jsonschema.validate(json.loads(r.text), closed(SCHEMAS[1]))  # the shared one still constrains
+    finally:
+        first.close()
+        second.close()
+    tokenizer = byte_tokenizer()
+    assert constraint.Vocabulary(TextTokenizer(tokenizer, None, frozenset({0}))).llg.vocab_size > 0
+    gone = weakref.ref(tokenizer)
+    del tokenizer
+    gc.collect()
+    assert gone() is None  # the cache kept no strong reference to it
+
+
 def _byte_matcher(schema: dict[str, Any]) -> tuple[Any, Any]:
     import llguidance
 

@@ -117,7 +117,7 @@ class Engine:
             ),
         )
         self._closed = False
-        self._vocabulary = Vocabulary(self.loaded.tokenizer)  # built on the first constrained request
+        self._vocabulary = Vocabulary(self.loaded.tokenizer)  # built on first use, shared by engines on one tokenizer
         self._breakers: dict[tuple[str, ...], Breakers] = {}  # DRY's breaker tokens, per breaker strings
         self._breakers_lock = threading.Lock()
         self._scheduler = Scheduler(self.loaded, self._shelf, prefill_chunk=prefill_chunk)

@@ -24,11 +24,13 @@ import logging
 import os
 import threading
 import time
+import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import llguidance
 import mlx.core as mx
 import numpy as np
+from tokenizers import Tokenizer
 
 from kvshelf.errors import InvalidSchema
 from kvshelf.model.loader import TextTokenizer
@@ -41,26 +43,40 @@ _POOL = ThreadPoolExecutor(max_workers=max(1, min(4, (os.cpu_count() or 2) - 1))
 
 class Vocabulary:
     """llguidance's view of one model's tokenizer: the bytes of every token, and which
-    tokens end a reply. Built on first use (about 3 s for Gemma 3's 262k tokens), once
-    per engine, and shared by every request."""
+    tokens end a reply. Built on first use (3-9 s for Gemma 3's 262k tokens) and shared
+    by every request, and by every engine of the process on the same tokenizer (see
+    ``shared_llg``): a second engine on one loaded model does not pay the build again."""
 
     def __init__(self, tokenizer: TextTokenizer) -> None:
         self._tokenizer = tokenizer
-        self._built: llguidance.LLTokenizer | None = None
-        self._lock = threading.Lock()
 
     @property
     def llg(self) -> llguidance.LLTokenizer:
-        with self._lock:
-            if self._built is None:
-                stops = sorted(self._tokenizer.stop_ids)
-                self._built = llguidance.LLTokenizer(
-                    self._tokenizer.tokenizer.to_str(), eos_token=stops or None, slices=None
-                )
-            return self._built
+        return shared_llg(self._tokenizer)
 
     def encode(self, text: str) -> list[int]:
         return self._tokenizer.encode(text)
+
+
+# One built LLTokenizer per (tokenizers object, stop ids), for as long as that tokenizer
+# lives: keyed weakly, so a model that is let go takes its vocabulary with it. An
+# LLTokenizer is built from the tokenizer's JSON, so it keeps no reference to the key.
+_Built = dict[frozenset[int], llguidance.LLTokenizer]
+_BUILT: weakref.WeakKeyDictionary[Tokenizer, _Built] = weakref.WeakKeyDictionary()
+_BUILT_LOCK = threading.Lock()
+
+
+def shared_llg(tokenizer: TextTokenizer) -> llguidance.LLTokenizer:
+    """The process's LLTokenizer for ``tokenizer`` (built on the first call, under a lock,
+    so two engines starting at once build it once)."""
+    with _BUILT_LOCK:
+        per_stops = _BUILT.setdefault(tokenizer.tokenizer, {})
+        built = per_stops.get(tokenizer.stop_ids)
+        if built is None:
+            stops = sorted(tokenizer.stop_ids)
+            built = llguidance.LLTokenizer(tokenizer.tokenizer.to_str(), eos_token=stops or None, slices=None)
+            per_stops[tokenizer.stop_ids] = built
+        return built
 
 
 class TokenConstraint:
