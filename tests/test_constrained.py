@@ -192,9 +192,14 @@ def test_a_grammar_not_enforced_only_ends_the_reply_where_it_breaks(engine):
 
 def test_a_constrained_turn_leaves_the_cache_exact_and_restores_warm(tiny_dirs, tmp_path):
     """The mask only picks tokens: the agent's cache after a constrained turn is the cache of
-    those tokens, and restoring it from disk continues exactly as computing it fresh."""
-    warm = Engine(tiny_dirs["llama"], tmp_path / "a", prefill_chunk=1, progress=False)
-    fresh = Engine(tiny_dirs["llama"], tmp_path / "b", prefill_chunk=1, progress=False)
+    those tokens, and restoring it from disk continues exactly as computing it fresh.
+
+    At the engines' default prefill chunk, as users run them: greedy turns and prefills run
+    the shape-invariant kernels (tests/test_invariance.py), so a cache built over two turns
+    and a decode equals one prefilled at once, bit for bit (``prefill_chunk=1`` on both, one
+    forward per token, cost this test ~20-45 s for the same comparison)."""
+    warm = Engine(tiny_dirs["llama"], tmp_path / "a", progress=False)
+    fresh = Engine(tiny_dirs["llama"], tmp_path / "b", progress=False)
     first = warm.chat("ann", ASK, tools=TOOLS, tool_choice="required", parallel_tool_calls=False, max_tokens=300)
     call = first.tool_calls[0]
     history: list[dict[str, Any]] = [
