@@ -1,0 +1,19 @@
+"""How a test that compares a warm cache with a fresh one, bit for bit, sizes its prefill.
+
+Greedy turns and prefill-only requests run the shape-invariant kernels
+(``LoadedModel.greedy_forward``), so at the engine's default prefill chunk, as users run
+it, a cache is a pure function of its tokens however they were chunked across turns.
+deepseek_v2's attention (MLA) is not chunk-invariant yet (a warm continuation differs from
+a fresh prefill in the last bits), so its cases still feed one token per forward call,
+where any two orders of the same tokens compute the same thing.
+"""
+
+from __future__ import annotations
+
+NOT_CHUNK_INVARIANT = frozenset({"deepseek_v2"})
+
+
+def exact_prefill(kind: str) -> dict[str, int]:
+    """``Engine`` keyword arguments under which a ``kind`` model's cache is a pure function
+    of its tokens: none (the default chunk) where the greedy kernels are shape-invariant."""
+    return {"prefill_chunk": 1} if kind in NOT_CHUNK_INVARIANT else {}
