@@ -95,7 +95,8 @@ _MAX_TOKENS = {
     "test_tool_calling_with_no_arguments": 12,
     "test_bind_runnables_as_tools": 20,
     "test_agent_loop": 20,
-    "test_unicode_tool_call_integration": 96,
+    # a right call (customer_name '你好啊集团' and a one-line description) is 40-45 tokens
+    "test_unicode_tool_call_integration": 64,
 }
 
 
@@ -189,7 +190,7 @@ class TestChatKVShelfIntegration(ChatModelIntegrationTests):
     @pytest.mark.xfail(
         reason="270M model's choice: the call is well-formed and customer_name is right ('你好啊集团'), "
         "but for 'description' (a string with no maxLength) the model copies the tool's docstring and "
-        "goes on writing lines of its own, past the 96 tokens given (finish_reason length: a cut call is "
+        "goes on writing lines of its own, past the 64 tokens given (finish_reason length: a cut call is "
         "never returned as a call)",
         strict=True,
     )
