@@ -10,10 +10,15 @@ where any two orders of the same tokens compute the same thing.
 
 from __future__ import annotations
 
+import inspect
+
+from kvshelf.runtime.engine import Engine
+
 NOT_CHUNK_INVARIANT = frozenset({"deepseek_v2"})
+DEFAULT_CHUNK: int = inspect.signature(Engine).parameters["prefill_chunk"].default
 
 
-def exact_prefill(kind: str) -> dict[str, int]:
-    """``Engine`` keyword arguments under which a ``kind`` model's cache is a pure function
-    of its tokens: none (the default chunk) where the greedy kernels are shape-invariant."""
-    return {"prefill_chunk": 1} if kind in NOT_CHUNK_INVARIANT else {}
+def exact_chunk(kind: str) -> int:
+    """The ``prefill_chunk`` under which a ``kind`` model's cache is a pure function of its
+    tokens: the engine's default where the greedy kernels are shape-invariant, else 1."""
+    return 1 if kind in NOT_CHUNK_INVARIANT else DEFAULT_CHUNK
