@@ -4,8 +4,8 @@ Greedy turns and prefill-only requests run the shape-invariant kernels
 (``LoadedModel.greedy_forward``), so at the engine's default prefill chunk, as users run
 it, a cache is a pure function of its tokens however they were chunked across turns.
 deepseek_v2's attention (MLA) is not chunk-invariant yet (a warm continuation differs from
-a fresh prefill in the last bits), so its cases still feed one token per forward call,
-where any two orders of the same tokens compute the same thing.
+a fresh prefill in the last bits), so its cases still feed one token per forward call:
+then a warm and a fresh cache are made by the same one-token calls.
 """
 
 from __future__ import annotations
