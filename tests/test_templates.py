@@ -105,7 +105,8 @@ def test_a_tiny_model_with_its_own_template_loads_it_and_reuses_its_prefix(tmp_p
     assert template.tool_parser.name == "json_tools"
     msgs = [{"role": "system", "content": "Be brief. " * 10}, {"role": "user", "content": "Tide?"}]
     r1 = engine.chat("keeper", msgs, max_tokens=6)
-    r2 = engine.chat("keeper", [*msgs, {"role": "assistant", "content": r1.text}, {"role": "user", "content": "Why?"}])
+    follow_up = [*msgs, {"role": "assistant", "content": r1.text}, {"role": "user", "content": "Why?"}]
+    r2 = engine.chat("keeper", follow_up, max_tokens=6)  # (was the default 2048: a random model runs on)
     assert r2.cache == "hot" and r2.usage.cached_tokens > len("Today is 01 Jan 2026.")
 
 
