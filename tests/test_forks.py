@@ -16,7 +16,7 @@ import pytest
 from kvshelf.errors import AgentExists, UnknownAgent
 from kvshelf.kv.agent_cache import AgentCache
 from kvshelf.runtime.engine import Engine
-from tests.support.subprocesses import continue_in_new_process
+from tests.support.subprocesses import continue_agents_in_new_process
 
 PREAMBLE = [{"role": "system", "content": "You are one of four careful planners sharing this brief. " * 12}]
 ASK = PREAMBLE + [{"role": "user", "content": "What should we do first?"}]
@@ -46,12 +46,10 @@ def test_a_fork_is_bit_identical_to_prefilling_the_prefix_itself(tiny_dirs, tmp_
     assert forked.token_ids == alone.token_ids and forked.usage == alone.usage
     engine.close()
     # after a restart the fork is rebuilt from its own record plus the shared prefix file
-    restored = continue_in_new_process(
-        str(tiny_dirs[kind]), tmp_path, "forked", LATER + [{"role": "user", "content": "Go."}], 8
+    after = continue_agents_in_new_process(
+        str(tiny_dirs[kind]), tmp_path, ["forked", "self"], LATER + [{"role": "user", "content": "Go."}], 8
     )
-    reference = continue_in_new_process(
-        str(tiny_dirs[kind]), tmp_path, "self", LATER + [{"role": "user", "content": "Go."}], 8
-    )
+    restored, reference = after["forked"], after["self"]
     assert restored["cached"] > 0 and not list(tmp_path.rglob("*.reason"))  # restored, nothing quarantined
     assert np.array_equal(restored["logits"], reference["logits"]) and restored["tokens"] == reference["tokens"]
 

@@ -37,17 +37,29 @@ def continue_in_new_process(
 
     Returns the next-token logits after ``messages`` and the greedy reply's token ids.
     """
+    return continue_agents_in_new_process(model, cache_dir, [agent_id], messages, max_tokens)[agent_id]
+
+
+def continue_agents_in_new_process(
+    model: str, cache_dir: Path, agent_ids: list[str], messages: list[dict], max_tokens: int
+) -> dict[str, dict[str, Any]]:
+    """``continue_in_new_process`` for several agents, one after another, in one new process:
+    one restart (an interpreter and a model load, seconds each) for all of them."""
     import numpy as np
 
-    out = cache_dir / f"{agent_id}-restored.npy"
+    outs = {agent: cache_dir / f"{agent}-restored.npy" for agent in agent_ids}
     code = f"""
 import json, numpy as np, kvshelf
 from kvshelf.runtime.engine import Engine
 e = Engine(model={model!r}, cache_dir={str(cache_dir)!r}, progress=False)
-np.save({str(out)!r}, e.prefill({agent_id!r}, {messages!r}))
-r = e.chat({agent_id!r}, {messages!r}, max_tokens={max_tokens})
-print(json.dumps({{"tokens": r.token_ids, "cache": r.cache, "cached": r.usage.cached_tokens}}))
+results = {{}}
+for agent, out in {[(a, str(o)) for a, o in outs.items()]!r}:
+    np.save(out, e.prefill(agent, {messages!r}))
+    r = e.chat(agent, {messages!r}, max_tokens={max_tokens})
+    results[agent] = {{"tokens": r.token_ids, "cache": r.cache, "cached": r.usage.cached_tokens}}
+print(json.dumps(results))
 """
-    result = run_in_subprocess(code)
-    result["logits"] = np.load(out)
-    return result
+    results = run_in_subprocess(code)
+    for agent, out in outs.items():
+        results[agent]["logits"] = np.load(out)
+    return results
