@@ -29,9 +29,11 @@ def main() -> None:
     parser.add_argument("--model", default="embedded")
     parser.add_argument("--parts", default=",".join(PARTS), help=f"which of {','.join(PARTS)} to run")
     args = parser.parse_args()
-    print("load average at start:", os.getloadavg(), flush=True)
+    start = list(os.getloadavg())
+    print("load average at start:", start, flush=True)
     with tempfile.TemporaryDirectory(prefix="kvshelf-cluster-", dir=Path.home()) as work:
         result = measure(args.model, Path(work), args.size, tuple(args.parts.split(",")))
+    result["load_average_start"] = start
     result["load_average_end"] = list(os.getloadavg())
     for row in result["table"]:
         print(json.dumps(row))

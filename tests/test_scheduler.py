@@ -10,6 +10,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterable
+from concurrent.futures import Future
 
 import pytest
 
@@ -174,6 +175,106 @@ def test_a_turn_cut_at_a_message_boundary_is_prefilled_in_one_step(tiny_dirs, tm
     calls = chunked.stats["prefill_calls"] - before["prefill_calls"]
     assert calls >= 8
     assert chunked.stats["prefill_steps"] - before["prefill_steps"] == calls
+
+
+def follow_up(text: str, reply: str) -> list[dict]:
+    return [*msgs(text), {"role": "assistant", "content": reply}, {"role": "user", "content": "ok"}]
+
+
+LONG_PROMPT = " ".join(PROMPTS.values()) * 8  # ~2K byte tokens: 8 chunks of 256
+
+
+def test_a_short_turn_gets_its_first_token_ahead_of_a_long_prefill(tiny_dirs, tmp_path):
+    """A hot agent's next turn (a few new tokens) is prefilled, and gets its first token,
+    in the step it arrives in: not behind every chunk still left of a long prompt that came
+    first, each with a decode step of the decoding agents after it (as a moved agent's turn
+    waited on a loaded node). Asserted on the loop's own counts; the numbers are unchanged."""
+    engine = Engine(model=tiny_dirs["llama"], cache_dir=tmp_path)
+    opening = engine.chat("ben", msgs(PROMPTS["ben"]), max_tokens=4)
+    engine.flush()  # its save has ended: its next turn is lent at once
+    decoding = engine.stream("dov", msgs(PROMPTS["dov"]), max_tokens=60)
+    next(decoding)  # dov decodes throughout
+    arrived: list = []
+
+    def progress(done: int, total: int) -> None:  # the engine's thread, after a chunk of ann's
+        if not arrived:  # after ann's first chunk: its other chunks are still to come
+            arrived.append(engine.stream("ben", follow_up(PROMPTS["ben"], opening.text), max_tokens=3))
+
+    ann = final(engine.stream("ann", msgs(LONG_PROMPT), max_tokens=2, progress=progress))
+    ben = final(arrived[0])
+    final(decoding)
+    assert ann.timeline is not None and ben.timeline is not None
+    assert ann.timeline.prefill_calls >= 8, "ann's prompt is fed in chunks"
+    assert ben.cache == "hot" and ben.usage.cached_tokens > 0
+    # ben arrived with ann's chunks 2..n still to run, and was not queued behind them
+    assert ben.timeline.others_prefill_calls <= 1, ben.timeline
+    assert ben.timeline.decode_steps <= 1, ben.timeline
+    assert ann.timeline.passed_over == 1, "ben went first once; ann went on the next step"
+    ref = Engine(model=tiny_dirs["llama"], cache_dir=tmp_path / "ref")
+    assert ref.chat("ann", msgs(LONG_PROMPT), max_tokens=2).token_ids == ann.token_ids
+    assert ref.chat("ben", msgs(PROMPTS["ben"]), max_tokens=4).token_ids == opening.token_ids
+    assert ref.chat("ben", follow_up(PROMPTS["ben"], opening.text), max_tokens=3).token_ids == ben.token_ids
+
+
+def test_short_turns_never_hold_a_long_prefill_back_two_steps_running(tiny_dirs, tmp_path):
+    """Short turns going first is bounded: with three arriving after every chunk of a long
+    prompt (more than a step's budget takes), the long prompt is passed over at most one
+    step in a row, so it still gets a chunk at least every other step."""
+    engine = Engine(model=tiny_dirs["llama"], cache_dir=tmp_path)
+    names = [f"short-{i}" for i in range(30)]  # three for each of ann's ~10 chunks
+    openings = {n: engine.chat(n, msgs(f"{n}: {PROMPTS['cat']}"), max_tokens=3) for n in names}
+    engine.flush()
+    pending, streams = list(names), []
+
+    def progress(done: int, total: int) -> None:  # three short turns after every chunk of ann's
+        for n in pending[:3]:
+            pending.remove(n)
+            streams.append(engine.stream(n, follow_up(f"{n}: {PROMPTS['cat']}", openings[n].text), max_tokens=2))
+
+    ann = final(engine.stream("ann", msgs(LONG_PROMPT), max_tokens=2, progress=progress))
+    shorts = [final(s) for s in streams]
+    assert ann.timeline is not None and ann.timeline.prefill_calls >= 8
+    assert all(s.cache == "hot" and s.usage.cached_tokens > 0 for s in shorts)
+    # the short turns went ahead of ann's chunks, but never two steps running: every
+    # step it was passed over is followed by one of its calls (unbounded: about two each)
+    assert ann.timeline.passed_over >= ann.timeline.prefill_calls // 2, ann.timeline
+    assert ann.timeline.passed_over <= ann.timeline.prefill_calls, ann.timeline
+    ref = Engine(model=tiny_dirs["llama"], cache_dir=tmp_path / "ref")
+    assert ref.chat("ann", msgs(LONG_PROMPT), max_tokens=2).token_ids == ann.token_ids
+
+
+def test_a_restore_does_not_wait_behind_other_agents_saves(tiny_dirs, tmp_path):
+    """An agent restored from disk is read on its own thread: while another agent's
+    write-behind save cannot end (its disk stalls), the restored agent is still served,
+    warm (on a node that took over a dead one's agents, saves queue up in front of it)."""
+    engine = Engine(model=tiny_dirs["llama"], cache_dir=tmp_path)
+    opening = engine.chat("bea", msgs(PROMPTS["ben"]), max_tokens=4)
+    engine.flush()
+    assert engine.evict("bea")  # on disk only now
+    stalled, check = threading.Event(), engine._shelf.store.before_write
+
+    def stalling_disk() -> None:  # the I/O thread's writes wait until released
+        if threading.current_thread().name == "kvshelf-io":
+            stalled.wait()
+        if check is not None:
+            check()
+
+    engine._shelf.store.before_write = stalling_disk
+    engine.chat("ann", msgs(PROMPTS["ann"]), max_tokens=2)  # answered; its save now waits
+    turn: Future = Future()
+
+    def next_turn() -> None:
+        turn.set_result(engine.chat("bea", follow_up(PROMPTS["ben"], opening.text), max_tokens=3))
+
+    threading.Thread(target=next_turn).start()
+    try:
+        result = turn.result(timeout=300)  # a hang guard, not a timing: the save never ends before this
+        assert not stalled.is_set()
+        assert result.cache == "warm" and result.usage.cached_tokens > 0
+        assert result.timeline is not None and result.timeline.restored_s is not None
+    finally:
+        stalled.set()
+    assert engine.flush() == []
 
 
 CRASH_LOOP = """

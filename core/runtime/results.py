@@ -22,6 +22,30 @@ class Usage:
 
 
 @dataclass
+class Timeline:
+    """Where a turn's time to first token went, by the node's own clock and in steps of
+    its loop: what an operator reads to tell a slow restore from a turn that queued behind
+    other agents' work (``kvshelf.runtime.scheduler``). Times are seconds from the
+    request's arrival at the engine."""
+
+    admitted_s: float
+    """When the loop took the request up (its cache lent, or its restore started)."""
+    cache_ready_s: float
+    """When the loop had the agent's cache in hand (restored from the store, if it was there)."""
+    first_token_s: float
+    restored_s: float | None = None
+    """When the restore's read and verification ended (None: the cache was in RAM)."""
+    prefill_calls: int = 0
+    """Model calls that fed this prompt."""
+    others_prefill_calls: int = 0
+    """Other requests' prefill calls run between this one's arrival and its first token."""
+    decode_steps: int = 0
+    """Batched decode steps of other agents run between its arrival and its first token."""
+    passed_over: int = 0
+    """Steps in which it was ready with calls left but got none (shorter turns went first)."""
+
+
+@dataclass
 class ChatResult:
     text: str
     finish_reason: Literal["stop", "length", "tool_calls"]
@@ -38,6 +62,8 @@ class ChatResult:
     tool_calls: list[ToolCall] = field(default_factory=list)
     """``Engine.chat(tools=...)`` only: the calls parsed out of the reply (``text`` is then
     the content before them), with ``finish_reason`` "tool_calls"."""
+    timeline: Timeline | None = field(default=None, repr=False)
+    """Where the time to first token went (``Timeline``); None for a turn that sampled none."""
 
 
 @dataclass

@@ -4,10 +4,12 @@ One worker thread owns the model and every cache. Each step it
 1. admits waiting requests (per agent in arrival order, one at a time, and only once
    that agent's previous save is on disk); an agent that is not in RAM is restored
    from disk on the I/O thread meanwhile (prefetch), while others keep decoding;
-2. runs prefill calls for the requests still prefilling, oldest first, at most
-   ``prefill_chunk`` tokens' worth in all, so a long prompt never stalls decoding agents
-   by more than a chunk, while short turns (cut at a message boundary for a checkpoint)
-   each end in one step, several to a step;
+2. runs prefill calls for the requests still prefilling, at most ``prefill_chunk``
+   tokens' worth in all, so a long prompt never stalls decoding agents by more than a
+   chunk, while short turns (cut at a message boundary for a checkpoint) each end in one
+   step, several to a step. A turn whose whole prefill fits the step goes first (its
+   first token comes now), then the rest oldest first; one that was passed over goes
+   first the next step, so a long prompt still gets a chunk at least every other step;
 3. runs one batched decode step for every agent that is generating, over the decode
    working set (``kvshelf.kv.working_set``), which it keeps while that set is unchanged.
 Every agent's cache is borrowed from the shelf (``kvshelf.runtime.shelf``), which owns
@@ -39,7 +41,7 @@ from kvshelf.model.head import prefill_logits
 from kvshelf.model.loader import LoadedModel
 from kvshelf.runtime.events import Event, Failed, Finished, Prefilled, Stopped, Text
 from kvshelf.runtime.iothread import release_mlx_thread
-from kvshelf.runtime.results import CacheSource, ChatResult, Usage
+from kvshelf.runtime.results import CacheSource, ChatResult, Timeline, Usage
 from kvshelf.runtime.sampling import Sampler
 from kvshelf.runtime.shelf import Shelf
 from kvshelf.storage.agent_id import AgentId
@@ -151,6 +153,15 @@ class Request:
     emitted: int = 0
     ttft: float | None = None
     finish: Literal["stop", "length"] = "length"
+    # where the time to first token went (``Timeline``): the loop's clock and counters
+    seen: tuple[int, int] = (0, 0)  # (decode steps, prefill calls) run when it reached the loop
+    admitted: float | None = None
+    restored: float | None = None  # set on the I/O thread when the restore ends
+    cache_ready: float | None = None
+    calls: int = 0
+    passed: int = 0  # steps in a row it was passed over (``_prefill_order``)
+    passed_total: int = 0
+    timeline: Timeline | None = None
 
 
 class Scheduler:
@@ -247,6 +258,7 @@ class Scheduler:
             if item is None:
                 self._stopping = True
             elif isinstance(item, Request):
+                item.seen = (self.stats["decode_steps"], self.stats["prefill_calls"])
                 if item.agent_id is not None:
                     self._cancel_background(item.agent_id)  # the newer request takes over
                 self._waiting.append(item)
@@ -279,12 +291,16 @@ class Scheduler:
 
     def _start(self, r: Request) -> None:
         aid = r.agent_id
+        r.admitted = time.perf_counter()
         if aid is None:  # never persisted; may start on an anonymous prefix in RAM
             r.cache, r.source = self._shelf.anonymous_cache(r.prompt), "none"
         elif (cache := self._shelf.lend(aid)) is not None:
             r.cache, r.source = cache, "hot"
-        else:  # prefetch: read and verify the record on the I/O thread while others decode
+        else:  # prefetch: read and verify the record on a reader thread while others decode
             r.restoring = self._shelf.restore(aid)
+            r.restoring.add_done_callback(lambda _: setattr(r, "restored", time.perf_counter()))
+        if r.cache is not None:
+            r.cache_ready = r.admitted
 
     def _ready(self, r: Request) -> bool:
         """True once ``r`` has its cache (restored, if it was on disk) and a prefill plan."""
@@ -294,6 +310,7 @@ class Scheduler:
             assert r.agent_id is not None  # the shelf quarantines bad records itself
             r.cache, r.source = self._shelf.restored(r.agent_id, r.restoring.result())
             r.restoring = None
+            r.cache_ready = time.perf_counter()
         if not r.planned:
             assert r.cache is not None
             r.cached = r.cache.reuse_prefix(r.prompt)
@@ -308,8 +325,8 @@ class Scheduler:
         return True
 
     def _prefill_step(self) -> bool:
-        """Prefill calls for the ready requests, oldest first, at most ``prefill_chunk``
-        tokens' worth in all (``call_cost``); False if none ran.
+        """Prefill calls for the ready requests, in ``_prefill_order``, at most
+        ``prefill_chunk`` tokens' worth in all (``call_cost``); False if none ran.
 
         A turn's few new tokens are cut at a message boundary into two calls, and several
         agents' turns may be ready at once: one call a step would make each call wait a
@@ -317,13 +334,14 @@ class Scheduler:
         waited 0.3-0.7 s so on a loaded node, then as long again behind another agent's
         turn). The calls are the same, so are the numbers; only how decode rounds
         interleave them changes. A request that still has calls left when the budget is
-        spent keeps its place: no later one goes ahead of it.
+        spent keeps its place: no later one in the order goes ahead of it.
 
         Background requests (prefill ahead) get a call only while no other request waits
         for its first token, so such a request waits at most for one background chunk.
         """
         foreground = any(not r.background for r in self._waiting + self._prefilling)
         budget, worked = self._prefill_chunk, False
+        ready: list[Request] = []
         for r in list(self._prefilling):
             if r.cancelled:
                 self._prefilling.remove(r)
@@ -333,20 +351,47 @@ class Scheduler:
             if r.background and foreground:
                 continue
             try:
-                if not self._ready(r):
-                    continue
+                if self._ready(r):
+                    ready.append(r)
             except Exception as exc:  # the record could not be read at all
                 self._fail(r, exc)
                 worked = True
-                continue
+        served: set[int] = set()  # positions in ``ready`` (arrival order) that got a call
+        for r in self._prefill_order(ready):
             while r in self._prefilling and not r.cancelled and call_cost(r.plan[0], self._prefill_chunk) <= budget:
                 budget -= call_cost(r.plan[0], self._prefill_chunk)
                 self._prefill_call(r)
+                served.add(next(i for i, x in enumerate(ready) if x is r))
                 worked = True
             if r in self._prefilling:
                 break
+        for i, r in enumerate(ready):  # passed over: calls left, none this step, a younger one served
+            if i in served:
+                r.passed = 0
+            elif r in self._prefilling and any(j > i for j in served):
+                r.passed += 1
+                r.passed_total += 1
         self.stats["prefill_steps"] += budget < self._prefill_chunk
         return worked
+
+    def _prefill_order(self, ready: list[Request]) -> list[Request]:
+        """The order the ready requests get this step's prefill budget in (all oldest first
+        within their group): turns that end their prefill in this step first (a hot or
+        restored turn's few new tokens: its first token comes now, not after every chunk
+        of a long prompt that came before it), then the others. Bounded: a request that
+        was passed over in the last step keeps its place in arrival order this step, so a
+        long prompt gets a chunk at least every other step however many short turns come."""
+        chunk = self._prefill_chunk
+        if any(r.passed for r in ready):
+            first_passed = next(i for i, r in enumerate(ready) if r.passed)
+            head, tail = ready[: first_passed + 1], ready[first_passed + 1 :]
+        else:
+            head, tail = [], ready
+
+        def finishing(r: Request) -> bool:
+            return not r.background and sum(call_cost(n, chunk) for n in r.plan) <= chunk
+
+        return head + [r for r in tail if finishing(r)] + [r for r in tail if not finishing(r)]
 
     def _prefill_call(self, r: Request) -> None:
         """``r``'s next prefill call (its cache ready). The last call samples the first
@@ -354,6 +399,7 @@ class Scheduler:
         assert r.cache is not None
         n = r.plan.pop(0)
         self.stats["prefill_calls"] += 1
+        r.calls += 1
         self.stats["background_calls"] += r.background
         ids, r.todo = r.todo[:n], r.todo[n:]
         want = not r.plan and not r.background  # only the last call's logits are read
@@ -445,6 +491,7 @@ class Scheduler:
         """Stream ``token``'s text and decide whether ``r`` goes on."""
         if r.ttft is None:
             r.ttft = time.perf_counter() - r.t0
+            r.timeline = self._timeline(r)
         stops = r.stops + self._template_stops
         done = token in self._tokenizer.stop_ids
         if done:
@@ -475,6 +522,25 @@ class Scheduler:
             self._decoding.append(r)
         r.next_token = token
 
+    def _timeline(self, r: Request) -> Timeline:
+        """Where ``r``'s time to first token went (at its first token, worker thread)."""
+        assert r.ttft is not None and r.admitted is not None and r.cache_ready is not None
+
+        def since(t: float) -> float:
+            return round(t - r.t0, 4)
+
+        decode0, calls0 = r.seen
+        return Timeline(
+            admitted_s=since(r.admitted),
+            cache_ready_s=since(r.cache_ready),
+            first_token_s=round(r.ttft, 4),
+            restored_s=None if r.restored is None else since(r.restored),
+            prefill_calls=r.calls,
+            others_prefill_calls=self.stats["prefill_calls"] - calls0 - r.calls,
+            decode_steps=self.stats["decode_steps"] - decode0,
+            passed_over=r.passed_total,
+        )
+
     def _complete(self, r: Request, emit_result: bool = True) -> Future | None:
         """Hand the agent's cache back to the shelf (which keeps, saves and spills it),
         then tell the caller.
@@ -503,6 +569,7 @@ class Scheduler:
             cache=r.source,
             agent_id=r.agent_id,
             token_ids=r.generated,
+            timeline=r.timeline,
         )
         if settled is None:
             r.emit(Finished(result))

@@ -10,7 +10,7 @@ the budget, forks and erasure follow one set of rules:
 - a lent cache is never saved, spilled, forked, evicted or erased under the loop;
 - a durable shelf answers (a turn, a fork) only once the save it needs has ended.
 
-Everything but the I/O thread's reads and writes runs on the scheduler's worker
+Everything but the reader and I/O threads' reads and writes runs on the scheduler's worker
 thread (``kvshelf.runtime.scheduler``), between steps, so no lock guards the caches.
 The one exception is reading the listing (``agent_info``, ``agents_page``): it runs in
 the caller's thread, from the pool's snapshot of resident agents and the store's
@@ -116,6 +116,11 @@ class Shelf:
         self._refused: queue.SimpleQueue[AgentId] = queue.SimpleQueue()
         """Agents whose save the store refused (``StaleWrite``): their RAM copy is dropped on the worker."""
         self._io = IOThread("kvshelf-io")
+        # Restores run on their own thread: a turn waiting for its record must not queue
+        # behind other agents' write-behind saves (each an fsynced write), which on a node
+        # that just took over a dead one's agents are many. A restore never overlaps a save
+        # of the same agent: the loop lends an agent only once its last save has ended.
+        self._reader = IOThread("kvshelf-read")
         # A shared store's version checks run on their own thread: a hot turn must not wait
         # behind other agents' saves to learn that its RAM copy is still current.
         self._probe = IOThread("kvshelf-probe") if self.store.shared else None
@@ -159,13 +164,13 @@ class Shelf:
         return None if self.store.shared else cache
 
     def restore(self, aid: AgentId) -> Future:
-        """Read and verify the agent's record on the I/O thread (prefetch while others
+        """Read and verify the agent's record on the reader thread (prefetch while others
         decode): a Future of ``Restored``. In a shared store a resident agent's RAM copy is
         checked against the store's version first (``_current_or_newer``)."""
         resident = self.pool.get(aid) if self._probe is not None else None
         if self._probe is not None and resident is not None:
             return self._probe.submit(self._current_or_newer, aid, resident)
-        return self._io.submit(self._from_store, aid)
+        return self._reader.submit(self._from_store, aid)
 
     def restored(self, aid: AgentId, found: Restored) -> tuple[AgentCache, CacheSource]:
         """Take what a restore found (worker thread): the cache to lend and its source. A
@@ -286,7 +291,7 @@ class Shelf:
 
     def load(self, aid: AgentId) -> AgentCache | None:
         """Read and verify an agent's record; None if absent or unusable (an unusable one
-        is quarantined, so the agent simply starts cold). The loop runs it on the I/O
+        is quarantined, so the agent simply starts cold). The loop runs it on the reader
         thread (``restore``); it leaves the pool as it is."""
         record = self.store.load(aid)
         if record is None:
@@ -482,6 +487,7 @@ class Shelf:
         for fut in list(self._saves.values()):
             fut.exception()
         self._io.shutdown()
+        self._reader.shutdown()
         if self._probe is not None:
             self._probe.shutdown()
         self.store.close()

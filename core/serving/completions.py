@@ -14,7 +14,7 @@ import json
 import logging
 import re
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from kvshelf.errors import InvalidAgentId
@@ -186,22 +186,29 @@ def log_turn(result: ChatResult) -> None:
     """One INFO line per answered turn: which agent, where its cache came from, how much of
     the prompt it covered. What a user of a framework's own OpenAI client reads to see that
     turn two was warm; it holds counts and the agent id, never prompt text."""
-    u = result.usage
+    u, t = result.usage, result.timeline
     log.info(
-        "turn done: agent=%s cache=%s cached=%d/%d completion=%d ttft=%.3fs",
+        "turn done: agent=%s cache=%s cached=%d/%d completion=%d ttft=%.3fs%s",
         result.agent_id or "-",
         result.cache,
         u.cached_tokens,
         u.prompt_tokens,
         u.completion_tokens,
         result.ttft_s,
+        ""
+        if t is None
+        else f" (cache ready at {t.cache_ready_s:.3f}s; before its first token: {t.others_prefill_calls} "
+        f"prefill calls of others, {t.decode_steps} decode steps)",
     )
 
 
 def extension(result: ChatResult) -> dict[str, Any]:
-    """kvshelf's own fields, beside OpenAI's: which agent, where its cache came from, and
-    (from a durable engine, as ``kvshelf serve`` runs) whether the turn is on disk."""
-    extra = {"agent_id": result.agent_id, "cache": result.cache, "ttft_s": round(result.ttft_s, 4)}
+    """kvshelf's own fields, beside OpenAI's: which agent, where its cache came from, where
+    its time to first token went (``Timeline``: a restore, or a queue behind other agents'
+    work), and (from a durable engine, as ``kvshelf serve`` runs) whether the turn is on disk."""
+    extra: dict[str, Any] = {"agent_id": result.agent_id, "cache": result.cache, "ttft_s": round(result.ttft_s, 4)}
+    if result.timeline is not None:
+        extra["timeline"] = asdict(result.timeline)
     return extra if result.saved is None else {**extra, "saved": result.saved}
 
 
