@@ -87,7 +87,7 @@ def main() -> None:
 
     loaded = load(args.model, progress=False)
     if args.cost:
-        prompt = inv.prompt_ids(loaded.tokenizer, 0, args.max_tokens, 1, args.min_tokens, args.max_tokens)
+        prompt = inv.prompt_ids(loaded.tokenizer, 0, args.max_tokens, args.min_tokens, args.max_tokens)
         out = inv.cost(inv.cost_variants(loaded), prompt, args.generate)
         print("cost:", out, flush=True)
         saved = write_json("invariance-cost", {"args": {k: str(v) for k, v in vars(args).items()}, "cost": out})

@@ -23,7 +23,7 @@ mkdir -p "$RUN_DIR"
 LOG="$RUN_DIR/run.log"
 cd "$ROOT"
 echo "$(date -u +%FT%TZ) start: run dir $RUN_DIR, pid $$, commit ${INVARIANCE_COMMIT:-$(git rev-parse HEAD)}" >>"$LOG"
-"$PY" benchmarks/invariance.py --plan | while read -r index tokens groups; do
+while read -r index tokens groups; do
   [ -f "$RUN_DIR/$(printf 'conv-%02d.json' "$index")" ] && continue
   for group in $groups; do
     for attempt in 1 2; do
@@ -38,5 +38,5 @@ echo "$(date -u +%FT%TZ) start: run dir $RUN_DIR, pid $$, commit ${INVARIANCE_CO
       [ "$attempt" = 2 ] && { echo "$(date -u +%FT%TZ) giving up" >>"$LOG"; exit 1; }
     done
   done
-done
+done < <("$PY" benchmarks/invariance.py --plan)
 echo "$(date -u +%FT%TZ) all conversations done" >>"$LOG"

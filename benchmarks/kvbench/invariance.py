@@ -165,15 +165,23 @@ def lengths(count: int, lo: int, hi: int) -> list[int]:
     return out
 
 
-def prompt_ids(tokenizer: Any, index: int, tokens: int, count: int, lo: int, hi: int) -> list[int]:
-    """Conversation ``index``'s prompt: reference-manual topics from the ``index``-th on,
-    joined until it has ``tokens`` tokens."""
-    docs = list(documents(tokenizer, count, hi, lo).values())
-    text, k = "", index
-    ids: list[int] = []
+DOCUMENTS = 40  # reference-manual topics of 300+ tokens (the embedded tokenizer's manual has 44)
+
+
+def prompt_ids(tokenizer: Any, index: int, tokens: int, lo: int, hi: int) -> list[int]:
+    """Conversation ``index``'s prompt: reference-manual topics from the ``index``-th on
+    (of ``DOCUMENTS``), joined until it has ``tokens`` tokens. Past the last topic, a
+    conversation starts halfway through its first topic, so that no two share a start."""
+    docs = list(documents(tokenizer, DOCUMENTS, hi, lo).values())
+    first = docs[index % len(docs)]
+    if index >= len(docs):
+        lines = first.splitlines()
+        first = "\n".join(lines[len(lines) // 2 :])
+    text, k = first, index + 1
+    ids = tokenizer.encode_prompt(text)
     while len(ids) < tokens:
-        text = f"{text}\n\n{docs[k % len(docs)]}" if text else docs[k % len(docs)]
-        ids, k = tokenizer.encode_prompt(text), k + 1
+        text, k = f"{text}\n\n{docs[k % len(docs)]}", k + 1
+        ids = tokenizer.encode_prompt(text)
     return ids[:tokens]
 
 
@@ -411,7 +419,6 @@ def run(ctx: Any) -> dict:
         loaded.tokenizer,
         0,
         s.invariance_max_tokens,
-        max(1, s.invariance_conversations),
         s.invariance_min_tokens,
         s.invariance_max_tokens,
     )

@@ -96,9 +96,7 @@ def run_stages(
         t0 = time.perf_counter()
         ids = None
         if stage == "hot":
-            ids = inv.prompt_ids(
-                loaded.tokenizer, index, tokens, options.conversations, options.min_tokens, options.max_tokens
-            )
+            ids = inv.prompt_ids(loaded.tokenizer, index, tokens, options.min_tokens, options.max_tokens)
         part = inv.run_stage(g, stage, work, options.generate, ids)
         part.update(
             stage=stage,
