@@ -8,6 +8,7 @@ What it measures is in ``kvbench.invariance`` (also the Invariance section of
     python benchmarks/invariance.py --report DIR      # pool DIR's conversations: JSON, chart, section
     python benchmarks/invariance.py --plan            # each conversation's length, and its stage groups
     python benchmarks/invariance.py --cost [--max-tokens 1200] [--generate 16]   # kernels' cost, one run
+        (``--conversations 0`` says the same, as it did before the run was resumable)
 
 Each conversation's stages not done yet run in this process, except "warm", which always
 runs in a new one (a child process, when this one ran "hot"). ``benchmarks/invariance_run.sh``
@@ -78,7 +79,7 @@ def main() -> None:
         return report(args.report)
     options = runs.Options(args.conversations, args.min_tokens, args.max_tokens, args.generate)
     plan = inv.lengths(options.conversations, options.min_tokens, options.max_tokens)
-    if args.plan:
+    if args.plan and options.conversations > 0:
         for i in indices(args.only, options.conversations):
             print(i, plan[i], " ".join(stage_groups(plan[i])))
         return
@@ -86,7 +87,7 @@ def main() -> None:
     from kvshelf.model.loader import load
 
     loaded = load(args.model, progress=False)
-    if args.cost:
+    if args.cost or args.conversations == 0:
         prompt = inv.prompt_ids(loaded.tokenizer, 0, args.max_tokens, args.min_tokens, args.max_tokens)
         out = inv.cost(inv.cost_variants(loaded), prompt, args.generate)
         print("cost:", out, flush=True)

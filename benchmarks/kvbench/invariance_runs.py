@@ -62,6 +62,7 @@ def conv_file(run_dir: Path, index: int, stage: str | None = None) -> Path:
 def check_options(run_dir: Path, options: Options) -> None:
     """A run directory is for one set of options: continuing it with others is refused."""
     run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / ".gitignore").write_text("work/\n")  # the hand-over files (~70 MB a conversation) are not results
     path = run_dir / "options.json"
     if path.exists():
         had = json.loads(path.read_text())
