@@ -6,7 +6,8 @@ What it measures is in ``kvbench.invariance`` (also the Invariance section of
     python benchmarks/invariance.py [--run-dir DIR] [--only I-J] [--stages hot,cold,warm]
         [--conversations 50] [--min-tokens 300] [--max-tokens 3000] [--generate 64] [--model embedded]
     python benchmarks/invariance.py --report DIR      # pool DIR's conversations: JSON, chart, section
-    python benchmarks/invariance.py --plan            # each conversation's length, and its stage groups
+    python benchmarks/invariance.py --plan            # the run's processes, one --work a line
+    python benchmarks/invariance.py --run-dir DIR --work 0:warm,1:hot   # those stages, in one process
     python benchmarks/invariance.py --cost [--max-tokens 1200] [--generate 16]   # kernels' cost, one run
         (``--conversations 0`` says the same, as it did before the run was resumable)
 
@@ -31,13 +32,46 @@ from common import RESULTS, write_json
 from kvbench import invariance as inv
 from kvbench import invariance_runs as runs
 
-# A process holds the shared test lock for at most ~5 minutes: conversations longer than
-# this run their stages in three processes, shorter ones in two ("hot,cold", then "warm").
-SPLIT_ABOVE = 1200
+# A process holds the shared test lock for at most ~5 minutes, and each one pays ~50 s to
+# load the model and build its kernels: the run's stages are packed, in order, into
+# processes of at most ``PROCESS_BUDGET_S`` estimated seconds (a conversation's "warm"
+# never with its own "hot"). A stage's seconds here (2 cores shared with others' tests, load
+# 2-7) as a fixed part (its decodes) plus one per token (its prefills), from the first
+# conversations of the first run.
+STAGE_COST = {"hot": (85.0, 0.05), "cold": (20.0, 0.02), "warm": (75.0, 0.045)}
+LOAD_S = 50.0
+PROCESS_BUDGET_S = 300.0
+
+Work = list[tuple[int, str]]
 
 
-def stage_groups(tokens: int) -> list[str]:
-    return ["hot", "cold", "warm"] if tokens > SPLIT_ABOVE else ["hot,cold", "warm"]
+def processes(plan: list[int], budget: float = PROCESS_BUDGET_S) -> list[Work]:
+    """The run's (conversation, stage) items, in order, packed into processes."""
+    out: list[Work] = []
+    current: Work = []
+    spent = LOAD_S
+    for i, n in enumerate(plan):
+        for stage in inv.STAGES:
+            fixed, per_token = STAGE_COST[stage]
+            estimate = fixed + per_token * n
+            clash = stage == "warm" and (i, "hot") in current
+            if current and (clash or spent + estimate > budget):
+                out.append(current)
+                current, spent = [], LOAD_S
+            current.append((i, stage))
+            spent += estimate
+    return [*out, current] if current else out
+
+
+def parse_work(spec: str) -> Work:
+    """``"0:warm,1:hot"``: conversation 0's warm stage, then conversation 1's hot one."""
+    items = []
+    for item in spec.split(","):
+        index, _, stage = item.partition(":")
+        if stage not in inv.STAGES:
+            raise SystemExit(f"--work: {item!r} is not CONVERSATION:STAGE with a stage of {inv.STAGES}")
+        items.append((int(index), stage))
+    return items
 
 
 def indices(only: str | None, count: int) -> list[int]:
@@ -66,6 +100,7 @@ def main() -> None:
     ap.add_argument("--run-dir", type=Path)
     ap.add_argument("--only", help="conversations I or I-J (0-based)")
     ap.add_argument("--stages", default=",".join(inv.STAGES))
+    ap.add_argument("--work", help="CONVERSATION:STAGE,... to run in this process, in order (see --plan)")
     ap.add_argument("--conversations", type=int, default=50)
     ap.add_argument("--min-tokens", type=int, default=300)
     ap.add_argument("--max-tokens", type=int, default=3000)
@@ -79,9 +114,14 @@ def main() -> None:
         return report(args.report)
     options = runs.Options(args.conversations, args.min_tokens, args.max_tokens, args.generate)
     plan = inv.lengths(options.conversations, options.min_tokens, options.max_tokens)
-    if args.plan and options.conversations > 0:
-        for i in indices(args.only, options.conversations):
-            print(i, plan[i], " ".join(stage_groups(plan[i])))
+    if args.plan and options.conversations > 0:  # one process a line
+        for items in processes(plan):
+            print(",".join(f"{i}:{stage}" for i, stage in items))
+        return
+    run_dir = args.run_dir or RESULTS / f"invariance-50-{time.strftime('%Y%m%d-%H%M%S')}"
+    work = parse_work(args.work) if args.work else None
+    if work is not None and all(runs.done(run_dir, i, stage) for i, stage in work):
+        print(f"{args.work}: done already")
         return
     print(f"load average at start: {os.getloadavg()}", flush=True)
     from kvshelf.model.loader import load
@@ -94,19 +134,22 @@ def main() -> None:
         saved = write_json("invariance-cost", {"args": {k: str(v) for k, v in vars(args).items()}, "cost": out})
         print(f"wrote {saved}")
         return
-    run_dir = args.run_dir or RESULTS / f"invariance-50-{time.strftime('%Y%m%d-%H%M%S')}"
+    log = lambda line: print(line, flush=True)  # noqa: E731
+    if work is not None:
+        for i, stage in work:  # a warm after its own hot here is refused by ``warm_stage``
+            runs.run_stages(loaded, run_dir, i, (stage,), options, args.model, log=log)
+        print(f"run directory {run_dir}; load average at end: {os.getloadavg()}", flush=True)
+        return
     stages = tuple(args.stages.split(","))
     here = tuple(s for s in stages if s != "warm")
     for i in indices(args.only, options.conversations):
         if here:
-            runs.run_stages(loaded, run_dir, i, here, options, args.model, log=lambda line: print(line, flush=True))
+            runs.run_stages(loaded, run_dir, i, here, options, args.model, log=log)
         if "warm" in stages:
             if here:  # "warm in a new process": never the one that ran "hot"
                 runs.run_in_new_process(run_dir, i, ("warm",), options, args.model)
             else:
-                runs.run_stages(
-                    loaded, run_dir, i, ("warm",), options, args.model, log=lambda line: print(line, flush=True)
-                )
+                runs.run_stages(loaded, run_dir, i, ("warm",), options, args.model, log=log)
     print(f"run directory {run_dir}; load average at end: {os.getloadavg()}", flush=True)
 
 

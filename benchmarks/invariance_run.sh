@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The issue-21 identity run: benchmarks/invariance.py's 50 conversations, one stage group
-# per process, each under the shared test lock (never more than ~5 minutes at a time), so
+# The issue-21 identity run: benchmarks/invariance.py's 50 conversations, their stages packed
+# into processes (``--plan``), each under the shared test lock (never more than ~5 minutes at a time), so
 # benchmarks and others' tests get the machine between them. Resumable: rerun it with the
 # same run directory and it goes on where it stopped (finished stages are skipped).
 #
@@ -23,20 +23,17 @@ mkdir -p "$RUN_DIR"
 LOG="$RUN_DIR/run.log"
 cd "$ROOT"
 echo "$(date -u +%FT%TZ) start: run dir $RUN_DIR, pid $$, commit ${INVARIANCE_COMMIT:-$(git rev-parse HEAD)}" >>"$LOG"
-while read -r index tokens groups; do
-  [ -f "$RUN_DIR/$(printf 'conv-%02d.json' "$index")" ] && continue
-  for group in $groups; do
-    for attempt in 1 2; do
-      echo "$(date -u +%FT%TZ) conversation $index ($tokens tokens) stages $group, attempt $attempt; load $(cut -d' ' -f1-3 /proc/loadavg)" >>"$LOG"
-      start=$(date +%s)
-      if /work/bin/kv-test nice -n 10 env PYTHONPATH="$PYTHONPATH" "$PY" benchmarks/invariance.py \
-        --run-dir "$RUN_DIR" --only "$index" --stages "$group" </dev/null >>"$LOG" 2>&1; then
-        echo "$(date -u +%FT%TZ) conversation $index stages $group done in $(($(date +%s) - start)) s" >>"$LOG"
-        break
-      fi
-      echo "$(date -u +%FT%TZ) conversation $index stages $group FAILED after $(($(date +%s) - start)) s" >>"$LOG"
-      [ "$attempt" = 2 ] && { echo "$(date -u +%FT%TZ) giving up" >>"$LOG"; exit 1; }
-    done
+while read -r work; do
+  for attempt in 1 2; do
+    echo "$(date -u +%FT%TZ) process for $work, attempt $attempt; load $(cut -d' ' -f1-3 /proc/loadavg)" >>"$LOG"
+    start=$(date +%s)
+    if /work/bin/kv-test nice -n 10 env PYTHONPATH="$PYTHONPATH" "$PY" benchmarks/invariance.py \
+      --run-dir "$RUN_DIR" --work "$work" </dev/null >>"$LOG" 2>&1; then
+      echo "$(date -u +%FT%TZ) $work done in $(($(date +%s) - start)) s" >>"$LOG"
+      break
+    fi
+    echo "$(date -u +%FT%TZ) $work FAILED after $(($(date +%s) - start)) s" >>"$LOG"
+    [ "$attempt" = 2 ] && { echo "$(date -u +%FT%TZ) giving up" >>"$LOG"; exit 1; }
   done
 done < <("$PY" benchmarks/invariance.py --plan)
 echo "$(date -u +%FT%TZ) all conversations done" >>"$LOG"

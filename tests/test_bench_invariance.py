@@ -173,3 +173,19 @@ def test_a_divergence_is_reported_with_its_margin():
     assert out["max_abs_dlogit"] == pytest.approx(100.0)
     same = invariance.compare("x", (tokens, rows), (tokens, rows))
     assert same["identical"] and same["max_abs_dlogit"] == 0.0
+
+
+def test_the_run_is_packed_into_processes_that_keep_warm_apart_from_its_hot():
+    import invariance as script  # benchmarks/invariance.py
+
+    plan = invariance.lengths(50, 300, 3000)
+    procs = script.processes(plan)
+    items = [item for work in procs for item in work]
+    assert items == [(i, stage) for i in range(50) for stage in invariance.STAGES]  # all, in order
+    for work in procs:
+        assert not any((i, "hot") in work and (i, "warm") in work for i, _ in work)
+        estimate = script.LOAD_S + sum(script.STAGE_COST[s][0] + script.STAGE_COST[s][1] * plan[i] for i, s in work)
+        assert len(work) == 1 or estimate <= script.PROCESS_BUDGET_S
+    assert script.parse_work("0:warm,1:hot") == [(0, "warm"), (1, "hot")]
+    with pytest.raises(SystemExit):
+        script.parse_work("0:lukewarm")

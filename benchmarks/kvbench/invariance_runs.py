@@ -59,6 +59,11 @@ def conv_file(run_dir: Path, index: int, stage: str | None = None) -> Path:
     return run_dir / (f"conv-{index:02d}.json" if stage is None else f"conv-{index:02d}.{stage}.json")
 
 
+def done(run_dir: Path, index: int, stage: str) -> bool:
+    """Whether conversation ``index``'s ``stage`` is in (its part file, or the whole conversation's)."""
+    return conv_file(run_dir, index).exists() or conv_file(run_dir, index, stage).exists()
+
+
 def check_options(run_dir: Path, options: Options) -> None:
     """A run directory is for one set of options: continuing it with others is refused."""
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -128,10 +133,8 @@ def run_in_new_process(run_dir: Path, index: int, stages: tuple[str, ...], optio
         str(SCRIPT),
         "--run-dir",
         str(run_dir),
-        "--only",
-        str(index),
-        "--stages",
-        ",".join(stages),
+        "--work",
+        ",".join(f"{index}:{stage}" for stage in stages),
         "--model",
         model,
         "--conversations",
