@@ -1,40 +1,50 @@
 """Invariance: the same greedy reply whatever the cache did, and what it costs.
 
-``benchmarks/invariance.py`` runs it alone; it is also the Invariance section of ``kvshelf bench``.
+``benchmarks/invariance.py`` runs it (resumably, one conversation's stage per process);
+it is also the Invariance section of ``kvshelf bench``.
 
-Each conversation (the embedded model's tokens of reference-manual prose, 300 to 3,000
-tokens) goes through the paths a cache can take, the scheduler's own calls throughout
-(``prefill_plan`` chunks through ``prefill_logits``, decode steps through the decode
-working set, ``loaded.forward``), at temperature 0:
+Each conversation (reference-manual prose, 300 to 3,000 tokens) goes through every path a
+cache can take, with the scheduler's own calls (``prefill_plan`` chunks through
+``prefill_logits``, decode steps through the decode working set) and the forward the
+engine runs at temperature 0 (``LoadedModel.greedy_forward``). Its 64 greedy tokens and
+next-token logits on each path are compared with the reference's: a cold prefill in
+256-token chunks, decoded alone.
 
-- "hot": turn 1 (the first 60% of the prompt), 16 generated tokens, then the rest of the
-  prompt as the next turn (a cut back after the reply, then an extension from there);
-  the conversation every other path runs is those tokens: turn 1, the reply, the rest;
-- "cold 256" (the reference), "cold 128", "cold, one call": the conversation prefilled
-  afresh in those chunk sizes;
-- "warm": turn 1's state written as a record and read back, then extended;
-- "fork": a fork of turn 1's state, extended;
-- "batched": the reference's prefill, decoded together with ``--others`` other agents of
-  other lengths.
+The paths, in three stages (``STAGES``) that may each run in their own process:
+
+- "hot": the agent's three turns. Turn 1 (the first half of the prompt) and turn 2 (up to
+  85%) each get an ``REPLY``-token greedy reply, and the conversation every path runs is
+  turn 1, its reply, turn 2, its reply, turn 3. Turn 2's state, as the agent leaves it, is
+  saved as a record on disk (for "warm"), forked ("fork"), and handed to a ``Shelf`` with a
+  byte budget that the next agent's return overflows, so the shelf's own budget eviction
+  spills it and its restore reads it back ("evicted and reloaded"). Then the reference.
+  Decoded together: hot, fork, evicted and one other agent ("batched with 3").
+- "cold": cold in 64-token chunks, decoded with one other agent ("batched with 1").
+- "warm": in a new process (checked: not the one that wrote the record), turn 2's record
+  read back from disk and extended by turn 3; cold in 128-token chunks; cold in one call.
+  Decoded together with five other agents ("batched with 7").
+
+So every path is decoded in a batch, and a path whose tokens equal the lone reference's
+proves both its own path and the batch's invariance at once; a path that diverges is
+decoded again alone, so that the divergence is attributed (both are reported). The other
+agents of a batch have other lengths than the conversation and than each other: forks of
+the batch's own state cut back to other lengths (``reuse_prefix``, as a fork with another
+prompt is), each with its own next-token logits, decoded with the rest.
 
 For each path: the 64 greedy tokens against the reference's, the largest |Δlogit| over
-the next-token logits and every step before a divergence, and each divergence with the
-reference's top-2 margin there. Each conversation runs with the engine's default kernels and with the shape-invariant
-ones (every projection through BLIS, ``kvshelf.model.attention``). Then the cost against
-the current code, side by side in one run: the reference's cold prefill time and the
-decode ms/token of one agent, for the invariant attention alone, BLIS alone and both.
-
-    python benchmarks/invariance.py [--conversations 50] [--min-tokens 300] [--max-tokens 3000]
-        [--generate 64] [--others 3]
-
-The default is the issue's 50 conversations (about an hour here); a session runs a
-reduced size (``--conversations 3 --max-tokens 1000``) and says so.
+the next-token logits and every step up to a divergence, and each divergence with the
+reference's top-2 margin there. ``kvbench.invariance_runs`` keeps one JSON file per
+conversation and pools them; ``cost`` times the kernel choices against the current code.
 """
 
 from __future__ import annotations
 
 import copy
+import hashlib
+import json
+import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -44,15 +54,19 @@ import numpy as np
 from kvbench.charts import bars
 from kvbench.common import documents
 from kvshelf.kv.agent_cache import AgentCache
-from kvshelf.kv.record import agent_cache_from_record, agent_record
 from kvshelf.kv.working_set import WorkingSets
 from kvshelf.model.gemv import with_fast_linears
 from kvshelf.model.head import prefill_logits
 from kvshelf.runtime.scheduler import prefill_plan
+from kvshelf.runtime.shelf import Shelf
+from kvshelf.storage.agent_id import AgentId
 
 TITLE = "Invariance: the same greedy reply whatever the cache did"
 
-REPLY = 16  # tokens generated in turn 1
+REPLY = 8  # greedy tokens of each of the hot path's first two replies
+CUTS = (0.5, 0.85)  # where the prompt is cut into the hot path's three turns
+STAGES = ("hot", "cold", "warm")
+WARM_AGENT = AgentId("turn-2")
 
 
 def prefill(loaded: Any, cache: AgentCache, ids: list[int], chunk: int) -> np.ndarray:
@@ -70,13 +84,13 @@ def prefill(loaded: Any, cache: AgentCache, ids: list[int], chunk: int) -> np.nd
 
 
 def decode(
-    loaded: Any, caches: list[AgentCache], firsts: list[np.ndarray], steps: int
+    loaded: Any, caches: list[AgentCache], firsts: list[np.ndarray], steps: int, keep: tuple[int, ...] = (0,)
 ) -> tuple[list[list[int]], list[list[np.ndarray]], float]:
-    """Greedy decode of every agent together; each one's tokens and logits rows (agent 0's
-    rows only), and ms per step."""
+    """Greedy decode of every agent together: each one's tokens, the logits rows of the
+    agents in ``keep`` (in that order), and ms per step."""
     working = WorkingSets()
     tokens = [[int(f.argmax())] for f in firsts]
-    rows: list[list[np.ndarray]] = [[firsts[0]]]
+    rows: list[list[np.ndarray]] = [[firsts[b]] for b in keep]
     t0 = time.perf_counter()
     for _ in range(steps - 1):
         keys = list(range(len(caches)))
@@ -87,7 +101,8 @@ def decode(
         for b, c in enumerate(caches):
             c.tokens.append(tokens[b][-1])
             tokens[b].append(int(np.argmax(np.array(logits[b]))))
-        rows[0].append(np.array(logits[0]))
+        for r, b in enumerate(keep):
+            rows[r].append(np.array(logits[b]))
     ms = (time.perf_counter() - t0) * 1e3 / max(1, steps - 1)
     return tokens, rows, ms
 
@@ -109,51 +124,235 @@ def compare(name: str, ref: tuple[list[int], list[np.ndarray]], got: tuple[list[
     return out
 
 
-def conversation_paths(loaded: Any, prompt: list[int], others: list[list[int]], generate: int) -> dict:
-    spec, split = loaded.spec, int(len(prompt) * 0.6)
-    turn1 = AgentCache.empty(spec)
-    first = prefill(loaded, turn1, prompt[:split], 256)
-    reply, _, _ = decode(loaded, [turn1], [first], REPLY)
-    conversation = prompt[:split] + reply[0] + prompt[split:]
-    saved = agent_record(turn1)
-    forked = turn1.fork()
+# -- one conversation's paths --------------------------------------------------------------
+@dataclass
+class Greedy:
+    """What a path runs: the engine's temperature-0 forward over the loaded model."""
 
-    results: dict[str, tuple[list[int], list[np.ndarray]]] = {}
+    spec: Any
+    forward: Any
+    fingerprint: str
 
-    def run(name: str, cache: AgentCache, chunk: int = 256) -> None:
-        logits = prefill(loaded, cache, conversation, chunk)
-        tokens, rows, _ = decode(loaded, [cache], [logits], generate)
-        results[name] = (tokens[0], rows[0])
+    @classmethod
+    def of(cls, loaded: Any) -> Greedy:
+        return cls(loaded.spec, loaded.greedy_forward, loaded.fingerprint)
+
+
+def kernel_probe(g: Greedy) -> str:
+    """sha256 of the next-token logits of a fixed 40-token prompt: the same in every
+    process of a run, or the kernels changed under it (results can only be pooled while
+    it is the same)."""
+    cache = AgentCache.empty(g.spec)
+    return hashlib.sha256(prefill(g, cache, [(7 * i + 3) % 97 + 2 for i in range(40)], 256).tobytes()).hexdigest()
+
+
+def lengths(count: int, lo: int, hi: int) -> list[int]:
+    """Conversation lengths spread evenly over ``lo..hi``, in van der Corput order (the
+    shortest, the middle, a quarter, three quarters...): any prefix of a run covers the
+    whole range."""
+    even = np.linspace(lo, hi, count).round().astype(int).tolist() if count > 1 else [lo]
+
+    def vdc(k: int) -> float:
+        out, base = 0.0, 0.5
+        while k:
+            out, k, base = out + base * (k & 1), k >> 1, base / 2
+        return out
+
+    order = sorted(range(count), key=vdc)
+    out = [0] * count
+    for rank, k in enumerate(order):
+        out[k] = even[rank]
+    return out
+
+
+DOCUMENTS = 40  # reference-manual topics of 300+ tokens (the embedded tokenizer's manual has 44)
+
+
+def prompt_ids(tokenizer: Any, index: int, tokens: int, lo: int, hi: int) -> list[int]:
+    """Conversation ``index``'s prompt: reference-manual topics from the ``index``-th on
+    (of ``DOCUMENTS``), joined until it has ``tokens`` tokens. Past the last topic, a
+    conversation starts halfway through its first topic, so that no two share a start."""
+    docs = list(documents(tokenizer, DOCUMENTS, hi, lo).values())
+    first = docs[index % len(docs)]
+    if index >= len(docs):
+        lines = first.splitlines()
+        first = "\n".join(lines[len(lines) // 2 :])
+    text, k = first, index + 1
+    ids = tokenizer.encode_prompt(text)
+    while len(ids) < tokens:
+        text, k = f"{text}\n\n{docs[k % len(docs)]}", k + 1
+        ids = tokenizer.encode_prompt(text)
+    return ids[:tokens]
+
+
+def mate_lengths(n: int, k: int) -> list[int]:
+    """``k`` lengths other than ``n`` and each other, spread below it."""
+    return sorted({max(2, round(n * (j + 1) / (k + 1)) - 3 * j) for j in range(k)})
+
+
+def batch(
+    g: Greedy,
+    paths: dict[str, AgentCache],
+    firsts: dict[str, np.ndarray],
+    conversation: list[int],
+    others: int,
+    reference: tuple[list[int], list[np.ndarray]],
+    generate: int,
+) -> tuple[list[dict], dict]:
+    """Decode ``paths`` together with ``others`` other agents (forks of the first path's
+    state cut back to other lengths); each path compared with the reference, and any
+    that diverges decoded again alone (``alone``)."""
+    names = list(paths)
+    source = paths[names[0]]
+    mates = []
+    for length in mate_lengths(len(conversation), others - len(names) + 1):
+        mate = source.fork()
+        mates.append((mate, prefill(g, mate, conversation[:length], 256)))
+    spare = {name: paths[name].fork() for name in names}  # to decode alone if it diverges
+    caches = [*paths.values(), *(m for m, _ in mates)]
+    tokens, rows, ms = decode(
+        g, caches, [*firsts.values(), *(f for _, f in mates)], generate, keep=tuple(range(len(names)))
+    )
+    out = []
+    for i, name in enumerate(names):
+        row = {**compare(name, reference, (tokens[i], rows[i])), "batched_with": len(caches) - 1}
+        if not row["identical"]:
+            alone_tokens, alone_rows, _ = decode(g, [spare[name]], [firsts[name]], generate)
+            row["alone"] = compare(name, reference, (alone_tokens[0], alone_rows[0]))
+        out.append(row)
+    info = {
+        "path": f"batched with {len(caches) - 1}",
+        "rows": names,
+        "lengths": [len(c.tokens) - (generate - 1) for c in caches],
+        "decode_ms_per_step": round(ms, 1),
+    }
+    return out, info
+
+
+def hot_stage(g: Greedy, ids: list[int], work: Path, generate: int) -> dict:
+    """The hot path's three turns (which make the conversation), turn 2's record, fork and
+    budget eviction, the reference; hot, fork and evicted decoded in a batch of 4."""
+    spec = g.spec
+    a, b = (int(len(ids) * c) for c in CUTS)
+    hot = AgentCache.empty(spec)
+    first = prefill(g, hot, ids[:a], 256)
+    r1 = decode(g, [hot], [first], REPLY)[0][0]
+    turn2 = ids[:a] + r1 + ids[a:b]
+    first = prefill(g, hot, turn2, 256)
+    r2 = decode(g, [hot], [first], REPLY)[0][0]
+    conversation = turn2 + r2 + ids[b:]
+    # Turn 2's state as the agent leaves it: on disk for "warm" (read in another process)
+    store = Shelf(work / "store", g.fingerprint, spec, hot.scheme)
+    try:
+        if not store.save_behind(WARM_AGENT, hot).result():
+            raise RuntimeError("could not save turn 2's record")
+    finally:
+        store.close()
+    forked, evicted = hot.fork(), evict_and_reload(g, hot, work / "evict")
+    (work / "conversation.json").write_text(
+        json.dumps({"ids": conversation, "turns": [a, len(turn2) + REPLY], "writer_pid": os.getpid()})
+    )
 
     t0 = time.perf_counter()
     ref = AgentCache.empty(spec)
-    ref_first = prefill(loaded, ref, conversation, 256)
+    ref_first = prefill(g, ref, conversation, 256)
     prefill_s = time.perf_counter() - t0
-    batch_base = ref.fork()
-    tokens, rows, ms = decode(loaded, [ref], [ref_first], generate)
-    results["cold 256"] = (tokens[0], rows[0])
-    run("cold 128", AgentCache.empty(spec), 128)
-    run("cold, one call", AgentCache.empty(spec), len(conversation))
-    run("hot", turn1)
-    run("warm", agent_cache_from_record(spec, saved, None))
-    run("fork", forked)
-    mates = []
-    for ids in others:
-        mate = AgentCache.empty(spec)
-        mates.append((mate, prefill(loaded, mate, ids, 256)))
-    tokens, rows, _ = decode(
-        loaded, [batch_base, *(m for m, _ in mates)], [ref_first, *(f for _, f in mates)], generate
-    )
-    results[f"batched with {len(others)}"] = (tokens[0], rows[0])
-    reference = results["cold 256"]
+    tokens, rows, ms = decode(g, [ref], [ref_first], generate)
+    reference = (tokens[0], rows[0])
+    np.save(work / "reference.npy", np.stack(rows[0]))
+    (work / "reference.json").write_text(json.dumps(tokens[0]))
+
+    paths = {"hot (3 turns)": hot, "fork": forked, "evicted and reloaded": evicted}
+    firsts = {name: prefill(g, cache, conversation, 256) for name, cache in paths.items()}
+    rows_out, info = batch(g, paths, firsts, conversation, 3, reference, generate)
     return {
         "tokens": len(conversation),
-        "prefill_s": round(prefill_s, 3),
-        "decode_ms_per_token": round(ms, 1),
-        "paths": [compare(name, reference, got) for name, got in results.items() if name != "cold 256"],
+        "turns": [a, len(turn2) + REPLY],
+        "reference": {
+            "first_logits_sha256": hashlib.sha256(ref_first.tobytes()).hexdigest(),
+            "prefill_s": round(prefill_s, 3),
+            "decode_ms_per_token": round(ms, 1),
+            "tokens": tokens[0],
+        },
+        "paths": rows_out,
+        "batches": [info],
     }
 
 
+def evict_and_reload(g: Greedy, state: AgentCache, where: Path) -> AgentCache:
+    """``state`` as an agent the shelf spilled under its byte budget and restored: given
+    back, then another agent's return overflows the budget (room for one of the two), the
+    shelf saves and drops the older one, and the engine's restore reads its record back."""
+    shelf = Shelf(where, g.fingerprint, g.spec, state.scheme, budget=state.nbytes + state.nbytes // 2)
+    try:
+        agent, other = AgentId("evicted"), AgentId("next")
+        for aid in (agent, other):
+            shelf.lend(aid)
+            shelf.give_back(aid, state.fork())
+        if agent in shelf.pool or other not in shelf.pool:
+            raise RuntimeError("the budget did not evict the older agent")
+        if shelf.lend(agent) is not None:
+            raise RuntimeError("an evicted agent is still resident")
+        cache, source = shelf.restored(agent, shelf.restore(agent).result())
+        if source != "warm":
+            raise RuntimeError(f"the evicted agent came back {source}, not from its record")
+        return cache
+    finally:
+        shelf.close()
+
+
+def load_reference(work: Path) -> tuple[list[int], tuple[list[int], list[np.ndarray]], dict]:
+    meta = json.loads((work / "conversation.json").read_text())
+    rows = np.load(work / "reference.npy")
+    return meta["ids"], (json.loads((work / "reference.json").read_text()), list(rows)), meta
+
+
+def cold_stage(g: Greedy, work: Path, generate: int) -> dict:
+    """Cold in 64-token chunks, decoded with one other agent."""
+    conversation, reference, _ = load_reference(work)
+    cold = AgentCache.empty(g.spec)
+    first = prefill(g, cold, conversation, 64)
+    rows, info = batch(g, {"cold 64": cold}, {"cold 64": first}, conversation, 1, reference, generate)
+    return {"paths": rows, "batches": [info]}
+
+
+def warm_stage(g: Greedy, work: Path, generate: int) -> dict:
+    """In a new process: turn 2's record read back and extended; cold in 128-token chunks
+    and in one call; the three decoded with five other agents."""
+    conversation, reference, meta = load_reference(work)
+    if meta["writer_pid"] == os.getpid():
+        raise RuntimeError("the warm path must read the record in another process than the one that wrote it")
+    store = Shelf(work / "store", g.fingerprint, g.spec, AgentCache.empty(g.spec).scheme)
+    try:
+        warm = store.load(WARM_AGENT)
+    finally:
+        store.close()
+    if warm is None:
+        raise RuntimeError("turn 2's record is missing or unusable")
+    paths = {
+        "warm (new process)": warm,
+        "cold 128": AgentCache.empty(g.spec),
+        "cold, one call": AgentCache.empty(g.spec),
+    }
+    chunks = {"warm (new process)": 256, "cold 128": 128, "cold, one call": len(conversation)}
+    firsts = {name: prefill(g, cache, conversation, chunks[name]) for name, cache in paths.items()}
+    rows, info = batch(g, paths, firsts, conversation, 7, reference, generate)
+    return {"paths": rows, "batches": [info]}
+
+
+STAGE_RUNNERS = {"cold": cold_stage, "warm": warm_stage}
+
+
+def run_stage(g: Greedy, stage: str, work: Path, generate: int, ids: list[int] | None = None) -> dict:
+    """One stage of one conversation (``STAGES``); "hot" needs the prompt, the others read
+    what "hot" left in ``work``."""
+    if stage == "hot":
+        assert ids is not None
+        return hot_stage(g, ids, work, generate)
+    return STAGE_RUNNERS[stage](g, work, generate)
+
+
+# -- the cost of each kernel choice --------------------------------------------------------
 CURRENT = "current code (default kernels, MLX attention)"
 BLIS_ONLY = "every row through BLIS, MLX attention"
 ATTENTION_ONLY = "invariant attention, default projections"
@@ -197,118 +396,75 @@ def cost(variants: dict[str, Any], prompt: list[int], generate: int) -> dict:
     return out
 
 
-def measure(
-    loaded: Any,
-    conversations: int,
-    min_tokens: int,
-    max_tokens: int,
-    generate: int,
-    others: int,
-    log: Any = None,
-    kernels: tuple[str, ...] = ("default", "invariant"),
-    on_row: Any = None,
-    prompts: list[list[int]] | None = None,
-) -> dict:
-    """Every conversation through every path with each choice of ``kernels`` (``KERNELS``:
-    "default", the engine's; "blis": every projection's rows through BLIS; "attention":
-    ``kvshelf.model.attention``; "invariant": both), then the cost of each against the
-    current code; the summary and the rows (``conversations`` 0: the cost alone).
-    ``prompts``: token ids to use instead of the reference-manual documents (a model
-    without a tokenizer)."""
-    forwards = {k: loaded if k == "default" else with_kernels(loaded, *KERNELS[k]) for k in kernels}
-    for k in kernels:  # no BLIS here (or it failed its check): those kernels are not what they say
-        if KERNELS[k][0] and not getattr(forwards[k].forward, "_all_rows", False):
-            forwards.pop(k)
-    kernels = tuple(forwards)
-    if prompts is None:
-        docs = documents(loaded.tokenizer, max(1, conversations) + others, max_tokens, min_tokens)
-        prompts = [loaded.tokenizer.encode_prompt(t) for t in docs.values()]
-    rng = np.random.default_rng(0)
-    lengths = np.linspace(min_tokens, max_tokens, conversations).astype(int)
-    convs, mates_from = prompts[:conversations], prompts[max(1, conversations) :]
-    rows = []
-    t0 = time.perf_counter()
-    for i, (ids, n) in enumerate(zip(convs, lengths)):
-        mates = [o[: int(rng.integers(64, max(65, max_tokens // 2)))] for o in mates_from]
-        for kernel in kernels:
-            row = {"kernels": kernel, **conversation_paths(forwards[kernel], ids[:n], mates, generate)}
-            rows.append(row)
-            if on_row is not None:  # a run cut short keeps what it measured
-                on_row(rows)
-            if log is not None:
-                same = all(p["identical"] for p in row["paths"])
-                log(f"conversation {i + 1}/{len(convs)} ({kernel} kernels): {row['tokens']} tokens, identical: {same}")
-                for p in row["paths"]:
-                    log(f"    {p}")
-    variants = {
-        CURRENT: loaded,
-        ATTENTION_ONLY: forwards.get("attention") or with_kernels(loaded, False, True),
-    }
-    if "invariant" in forwards:
-        variants[BLIS_ONLY] = forwards.get("blis") or with_kernels(loaded, True, False)
-        variants[INVARIANT] = forwards["invariant"]
-    # the longest conversation's tokens (with no conversation, the cost alone: ``max_tokens``)
-    costs = cost(variants, convs[-1][: lengths[-1]] if convs else prompts[0][:max_tokens], generate)
-
-    def of(kernel: str) -> dict:
-        mine = [r for r in rows if r["kernels"] == kernel]
-        deltas = [p["max_abs_dlogit"] for r in mine for p in r["paths"] if p["max_abs_dlogit"] is not None]
-        return {
-            "conversations": len(mine),
-            "identical_share": sum(all(p["identical"] for p in r["paths"]) for r in mine) / max(1, len(mine)),
-            "largest_abs_dlogit": max(deltas) if deltas else None,
-            "divergences": [{"tokens": r["tokens"], **p} for r in mine for p in r["paths"] if not p["identical"]],
-        }
-
-    summary = {
-        **of(kernels[0]),
-        "by_kernels": {k: of(k) for k in kernels},
-        "cost": costs,
-        "wall_s": round(time.perf_counter() - t0, 1),
-    }
-    return {"summary": summary, "conversations": rows}
-
-
 # -- the section of ``kvshelf bench`` ------------------------------------------------------
 def run(ctx: Any) -> dict:
+    """The aggregate of a finished run directory (``invariance_results``), else a small run
+    of ``invariance_conversations`` measured now (its warm stage in a new process), with the
+    cost of each kernel choice against the current code."""
+    from kvbench import invariance_runs as runs
+
     s = ctx.settings
+    if getattr(s, "invariance_results", ""):
+        return section(runs.aggregate(Path(s.invariance_results)))
     loaded = ctx.get_engine().loaded
-    out = measure(
-        loaded, s.invariance_conversations, s.invariance_min_tokens, s.invariance_max_tokens, s.invariance_generate, 3
+    run_dir = ctx.work_dir / "invariance"
+    options = runs.Options(
+        s.invariance_conversations, s.invariance_min_tokens, s.invariance_max_tokens, s.invariance_generate
     )
-    summary = out["summary"]
-    table = []
-    for kernel, part in summary["by_kernels"].items():
-        mine_rows = [r for r in out["conversations"] if r["kernels"] == kernel]
-        names = [p["path"] for p in mine_rows[0]["paths"]] if mine_rows else []
-        for name in names:
-            mine = [p for r in mine_rows for p in r["paths"] if p["path"] == name]
-            table.append(
-                {
-                    "kernels": kernel,
-                    "path": name,
-                    "identical_share": round(sum(p["identical"] for p in mine) / len(mine), 3),
-                    "max_abs_dlogit": round(max(p["max_abs_dlogit"] or 0.0 for p in mine), 5),
-                    "divergences": [(p["diverges_at"], p["reference_top2_margin"]) for p in mine if not p["identical"]],
-                }
-            )
-    c = summary["cost"]
-    shares = ", ".join(f"{k} kernels {v['identical_share']:.0%}" for k, v in summary["by_kernels"].items())
+    for i in range(s.invariance_conversations):
+        runs.run_stages(loaded, run_dir, i, ("hot", "cold"), options, model=ctx.model)
+        runs.run_in_new_process(run_dir, i, ("warm",), options, model=ctx.model)
+    result = section(runs.aggregate(run_dir))
+    prompt = prompt_ids(
+        loaded.tokenizer,
+        0,
+        s.invariance_max_tokens,
+        s.invariance_min_tokens,
+        s.invariance_max_tokens,
+    )
+    result["summary"]["cost"] = cost(cost_variants(loaded), prompt, s.invariance_generate)
+    c = result["summary"]["cost"]
     costs = "; ".join(
         f"{k}: prefill {v['prefill_cost_pct']:+.1f}%, decode tokens/s {v['decode_tokens_per_s_cost_pct']:+.1f}%"
         for k, v in c.items()
         if isinstance(v, dict) and "prefill_cost_pct" in v
     )
-    return {
-        "title": TITLE,
-        "description": (
-            f"{summary['conversations']} conversations of {s.invariance_min_tokens}-{s.invariance_max_tokens} tokens, "
-            f"{s.invariance_generate} greedy tokens per path against a cold prefill in 256-token chunks. "
-            f"Identical on every path: {shares}. Cost against the earlier reads: {costs}."
-        ),
-        "summary": summary,
-        "table": table,
-    }
+    result["description"] += f" Cost against the current code ({c['tokens']} tokens): {costs}."
+    return result
+
+
+def cost_variants(loaded: Any) -> dict[str, Any]:
+    """The current code, the invariant attention alone, and (where BLIS passed its check)
+    BLIS alone and both: what ``cost`` times."""
+    variants = {CURRENT: loaded, ATTENTION_ONLY: with_kernels(loaded, False, True)}
+    both = with_kernels(loaded, True, True)
+    if getattr(both.forward, "_all_rows", False):
+        variants[BLIS_ONLY] = with_kernels(loaded, True, False)
+        variants[INVARIANT] = both
+    return variants
+
+
+def section(agg: dict) -> dict:
+    """The bench report's section from an aggregate (``invariance_runs.aggregate``)."""
+    table = [
+        {
+            "path": name,
+            "conversations": p["conversations"],
+            "identical_share": round(p["identical"] / max(1, p["conversations"]), 3),
+            "max_abs_dlogit": p["max_abs_dlogit"],
+            "divergences": p["divergences"],
+        }
+        for name, p in agg["per_path"].items()
+    ]
+    t = agg["tokens"]
+    description = (
+        f"{agg['conversations']} conversations of {t['min']}-{t['max']} tokens (median {t['median']}) through every "
+        f"path, {agg['generate']} greedy tokens each with `greedy_forward`, against a cold prefill in 256-token "
+        f"chunks decoded alone. Identical on every path: {agg['identical']} of {agg['conversations']} "
+        f"({agg['identical_share']:.0%}); largest |dlogit| {agg['largest_abs_dlogit']}; "
+        f"{len(agg['divergences'])} divergences."
+    )
+    return {"title": TITLE, "description": description, "summary": agg, "table": table}
 
 
 def chart(result: dict, path: Path) -> Path | None:
@@ -317,9 +473,9 @@ def chart(result: dict, path: Path) -> Path | None:
         return None
     return bars(
         path,
-        "Invariance: share of conversations with identical greedy tokens",
+        "Invariance: share of conversations with identical greedy tokens, per path",
         "share",
-        [f"{r['path']} ({r['kernels']})" for r in rows],
+        [r["path"] for r in rows],
         {"identical share": [r["identical_share"] for r in rows]},
     )
 
@@ -328,8 +484,7 @@ def headline(result: dict) -> str | None:
     summary = result.get("summary")
     if not summary:
         return None
-    shares = ", ".join(f"{v['identical_share']:.0%} ({k} kernels)" for k, v in summary["by_kernels"].items())
     return (
-        f"Invariance: of {summary['conversations']} conversations, identical greedy tokens on every path: "
-        f"{shares}; largest |dlogit| {summary['largest_abs_dlogit']:.3g} with the default kernels."
+        f"Invariance: of {summary['conversations']} conversations, {summary['identical_share']:.0%} give identical "
+        f"greedy tokens on every path; largest |dlogit| {summary['largest_abs_dlogit']}."
     )

@@ -61,6 +61,9 @@ class Settings:
     invariance_min_tokens: int = 300
     invariance_max_tokens: int = 3000
     invariance_generate: int = 64
+    # A finished ``benchmarks/invariance.py`` run directory: the section reports its pooled
+    # conversations instead of measuring (the 50-conversation run takes hours)
+    invariance_results: str = ""
     # Phases (kvbench.phases): generated tokens per turn, 0 = the scenario's own default
     phases_max_tokens: int = 0
     # Against the peer (mlx_lm.server) over HTTP
