@@ -111,6 +111,7 @@ def prefill_cases(forward: Any, spec: ModelCacheSpec, vocab: int, length: int) -
         out[f"prefill {name}"] = d.hex()
         # the last logits and the cache alone: the same for every plan (issue 21's invariance)
         out[f"prefill {name}, state"] = state.hex()
+        print(f"  prefill {name}: {out[f'prefill {name}']} (state {state.hex()})", flush=True)
     return out
 
 
@@ -138,6 +139,7 @@ def decode_cases(forward: Any, spec: ModelCacheSpec, vocab: int, lengths: list[i
             d.add(*c.arrays())
         d.add(*working.arrays())
         out[f"decode batch {batch}"] = d.hex()
+        print(f"  decode batch {batch}: {d.hex()}", flush=True)
     return out
 
 
