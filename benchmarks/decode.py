@@ -12,7 +12,8 @@ and side by side, for each model and context length:
   the per-step path it replaced ("per-step": the model's own call on the agents' layer
   caches, one ``BatchLayerView`` per layer when several agents decode together), and
   (``--paths pipeline``) the scheduler's path with the working set's pipelining
-  (``kvshelf.kv.working_set.PIPELINE``, off by default);
+  (``kvshelf.kv.working_set.PIPELINE``, off by default), and (``--paths greedy``) what a
+  temperature-0 request runs, ``LoadedModel.greedy_forward``'s shape-invariant kernels;
 - mlx-lm's own step on the same model with its fp32 ``KVCache``/``RotatingKVCache``
   (batch 1: what ``mlx_lm.generate`` runs);
 - the floor: the model's weight bytes (and weights + K/V bytes) divided by the memory
@@ -94,7 +95,7 @@ def build_model(name: str) -> nn.Module:
 
 
 # "blis" (or "no-blis"): the engine with the other setting of BLIS for a batch's rows beside it
-PATHS = ("mlx-lm", "default", "q4", "blis", "no-blis", "per-step", "head-only", "one-row-sgemv", "pipeline")
+PATHS = ("mlx-lm", "default", "q4", "blis", "no-blis", "per-step", "head-only", "one-row-sgemv", "pipeline", "greedy")
 
 
 def engine_forward(model: nn.Module, blis: bool | None = None) -> nn.Module | ProjectedModel:
@@ -123,6 +124,8 @@ def run(
         toggled_name = "no-blis" if blis_default else "blis"
         head_only = with_fast_head(model)  # the previous engine path: only the batch-1 head through sgemv
         one_row = with_fast_linears(model, one_row=True)  # batch 1's layer projections through sgemv too
+        # what a temperature-0 request runs (LoadedModel.greedy_forward): the shape-invariant kernels
+        greedy = with_fast_linears(model, all_rows=True, attention=True) if "greedy" in paths else None
         floor_ms = wbytes / (gbs * 1e9) * 1e3
         floors[name] = {**bw, "weight_bytes": wbytes, "floor_ms": round(floor_ms, 1)}
         print(f"\n{name}: {len(spec.layers)} layers, weights {wbytes / 1e9:.3f} GB, floor {floor_ms:.1f} ms/step")
@@ -149,6 +152,8 @@ def run(
                         kinds.append((True, f"{scheme} head-only sgemv", head_only))
                     if "one-row-sgemv" in paths:
                         kinds.append((True, f"{scheme} one-row sgemv", one_row))
+                    if greedy is not None:
+                        kinds.append((True, f"{scheme} greedy (shape-invariant)", greedy))
                     if "pipeline" in paths:
                         kinds.append((True, f"{scheme} pipeline", fast))
                     if "per-step" in paths:

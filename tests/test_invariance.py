@@ -310,3 +310,84 @@ def test_shape_invariant_logits_of_a_row_are_the_same_in_any_chunk_and_batch(dir
     step = WorkingSets().caches(["a", "b"], [m.layers for m in members])
     batched = fast(mx.array([[token], [ids[170]]]), cache=step)
     assert np.array_equal(np.array(batched[0]), alone)
+
+
+def _blocked_reference(queries, keys, values, scale, mask, origins):
+    """The row-invariant attention as main 39ecc3c computed it (8-row tiles by each 256-key
+    block, both exponentials masked): the oracle the faster kernel must equal bit for bit."""
+    from kvshelf.model.attention import _aligned, _full_mask
+
+    b, heads, length, d = queries.shape
+    kv, t, dv = keys.shape[1], keys.shape[2], values.shape[3]
+    group, tile, block = heads // kv, tile_rows(), 256
+    full = _full_mask(mask, b, length, t)
+    origins = origins * b if len(origins) == 1 else origins
+    lead = [o % block for o in origins]
+    width = -(-(max(lead) + t) // block) * block
+    blocks = width // block
+    keys, values, full = _aligned(keys, lead, width), _aligned(values, lead, width), _aligned(full, lead, width, 3)
+    rows = group * length
+    tiles = -(-rows // tile)
+    q = (queries * scale).reshape(b, kv, rows, d)
+    if tiles * tile != rows:
+        q = mx.pad(q, [(0, 0), (0, 0), (0, tiles * tile - rows), (0, 0)])
+    q = q.reshape(b, kv, tiles, 1, tile, d)
+    k_blocks = keys.reshape(b, kv, 1, blocks, block, d).swapaxes(-1, -2)
+    scores = (q @ k_blocks).swapaxes(3, 4).reshape(b, kv, tiles * tile, width)[:, :, :rows]
+    seen = full[:, :, None]
+    scores = mx.where(seen, scores.reshape(b, kv, group, length, width), -mx.inf)
+    top = scores.max(axis=-1, keepdims=True)
+    weights = mx.where(seen, mx.exp(scores - top), 0.0).reshape(b, kv, rows, blocks, block)
+    den = mx.cumsum(weights.sum(axis=-1), axis=-1)[..., -1:]
+    if tiles * tile != rows:
+        weights = mx.pad(weights, [(0, 0), (0, 0), (0, tiles * tile - rows), (0, 0), (0, 0)])
+    w_tiles = weights.reshape(b, kv, tiles, tile, blocks, block).swapaxes(3, 4)
+    parts = w_tiles @ values.reshape(b, kv, 1, blocks, block, dv)
+    num = mx.cumsum(parts, axis=3)[:, :, :, -1].reshape(b, kv, tiles * tile, dv)[:, :, :rows]
+    return (num / den).reshape(b, heads, length, dv)
+
+
+@pytest.mark.parametrize("heads,kv,d", [(4, 1, 256), (9, 3, 64), (2, 1, 64)])  # Gemma 3 270M, the llama, tiny
+def test_attention_is_the_blocked_tiles_bit_for_bit(heads, kv, d):
+    """The faster kernel (one product per tile by all keys where measured equal, one masked
+    exponential) gives main's 8-row-tile, per-block kernel's bits: prefill in one call and
+    in chunks, decode rows at and across block edges, a window that moved on, a batch with
+    other origins, and a row that sees no key (NaN in both, at the same places)."""
+    n, scale = 1100, d**-0.5
+    q, k, v = _qkv(heads * d + 1, heads, kv, n, d)
+
+    def same(*args) -> None:
+        got, want = invariant_attention(*args), _blocked_reference(*args)
+        assert mx.array_equal(mx.isnan(got), mx.isnan(want)).item()
+        assert mx.array_equal(mx.where(mx.isnan(got), 0, got), mx.where(mx.isnan(want), 0, want)).item()
+
+    same(q, k, v, scale, "causal", [0])
+    for a, c in ((0, 256), (256, 256), (512, 300), (900, 200), (1000, 7)):
+        same(q[:, :, a : a + c], k[:, :, : a + c], v[:, :, : a + c], scale, _causal(a, a + c, 0, a + c), [0])
+    for p in (0, 255, 256, 511, 767, 1099):
+        same(q[:, :, p : p + 1], k[:, :, : p + 1], v[:, :, : p + 1], scale, None, [0])
+    p = 1099
+    same(q[:, :, p:], k[:, :, 300:], v[:, :, 300:], scale, _causal(p, n, 300, n, 512), [300])
+    both = mx.concatenate([q[:, :, 700:701], q[:, :, 1000:1001]])
+    keys = mx.concatenate([k[:, :, :701], k[:, :, 300:1001]])
+    values = mx.concatenate([v[:, :, :701], v[:, :, 300:1001]])
+    same(both, keys, values, scale, None, [0, 300])
+    blind = mx.concatenate([_causal(0, 5, 0, 300)[:2], mx.zeros((1, 300), dtype=mx.bool_), _causal(3, 5, 0, 300)])
+    same(q[:, :, :5], k[:, :, :300], v[:, :, :300], scale, blind, [0])
+
+
+def test_the_wide_score_check_holds_beyond_its_probe():
+    """Where ``wide_scores_agree`` says the one-product scores are the blocked ones, they are
+    on other values of those shapes too (the kernel's choice depends on the shape alone)."""
+    from kvshelf.model.attention import _blocked_scores, _wide_scores, wide_scores_agree
+
+    rng = np.random.default_rng(5)
+    checked = 0
+    for d, width in ((256, 1024), (64, 512), (64, 1024), (128, 768)):
+        if not wide_scores_agree(tile_rows(), d, width):
+            continue
+        q = mx.array(rng.standard_normal((1, 3, 5, 1, tile_rows(), d)).astype(np.float32))
+        keys = mx.array(rng.standard_normal((1, 3, width, d)).astype(np.float32))
+        assert mx.array_equal(_wide_scores(q, keys), _blocked_scores(q, keys, width // 256)).item(), (d, width)
+        checked += 1
+    assert checked  # some shape takes the wide product here (else the kernel is main's as it was)

@@ -52,3 +52,21 @@ def test_mlx_matmul_rows_depend_on_the_row_count(tiny_dirs):
     x = mx.array(rng.standard_normal((300, 640)).astype(np.float32))
     one = np.array(x[:1] @ w.T)[0]
     assert any(not np.array_equal(np.array(x[:n] @ w.T)[0], one) for n in (16, 32, 48, 300))
+
+
+def test_a_product_cut_into_column_parts_is_one_blis_call():
+    """A large product runs in column parts, one per core, each a single-threaded BLIS call:
+    its bits are those of one uncut call (cuts on multiples of 64 columns, shapes below and
+    above the size that is cut, a column count that is no multiple of 64, a 257-row call)."""
+    from kvshelf.model.few_rows import _column_cuts, gemm_uncut
+
+    gemm = system_gemm()
+    assert gemm is not None
+    rng = np.random.default_rng(6)
+    for m, n, k in ((1, 640, 2048), (1, 40000, 640), (8, 1000, 640), (257, 2048, 640), (256, 200, 576)):
+        x = rng.standard_normal((m, k)).astype(np.float32)
+        w = rng.standard_normal((n, k)).astype(np.float32)
+        assert np.array_equal(gemm(x, w), gemm_uncut(x, w)), (m, n, k)
+        cuts = _column_cuts(n, 2)
+        assert all(c % 64 == 0 for c in cuts[:-1]) and cuts[-1] == n and (len(cuts) > 2) == (n > 64)
+    assert _column_cuts(200, 2) == [0, 128, 200] and _column_cuts(64, 4) == [0, 64]

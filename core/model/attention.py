@@ -99,6 +99,43 @@ def _tile_invariant(rows: int, inner: int, cols: int, key: mx.array) -> bool:
     return True
 
 
+def _blocked_scores(q: mx.array, keys: mx.array, blocks: int) -> mx.array:
+    """Tiles of query rows (B, kv, tiles, 1, tile, d) by each block of keys (B, kv, width, d):
+    one product of a fixed shape (tile × BLOCK_TOKENS) per tile and block; (B, kv, rows, width)."""
+    b, kv, tiles, _, tile, d = q.shape
+    k_blocks = keys.reshape(b, kv, 1, blocks, BLOCK_TOKENS, d).swapaxes(-1, -2)
+    return (q @ k_blocks).swapaxes(3, 4).reshape(b, kv, tiles * tile, blocks * BLOCK_TOKENS)
+
+
+def _wide_scores(q: mx.array, keys: mx.array) -> mx.array:
+    """The same scores as one product per tile by all the keys at once (tile × width): no
+    per-block calls and no copy back into rows."""
+    b, kv, tiles, _, tile, _ = q.shape
+    return (q @ keys.swapaxes(-1, -2)[:, :, None, None]).reshape(b, kv, tiles * tile, keys.shape[2])
+
+
+@cache
+def wide_scores_agree(tile: int, d: int, width: int) -> bool:
+    """Whether ``_wide_scores`` gives ``_blocked_scores``'s bits for these shapes.
+
+    Each output element is one dot product of ``d`` terms either way, but OpenBLAS picks its
+    kernel and its threads' split by the product's shape (a product of 1024 key columns by
+    64-wide heads splits otherwise than 256 columns do, and rounds otherwise), so this is
+    measured per shape, once per process, on products laid out as the kernel lays them out."""
+    ka, kb = mx.random.split(mx.random.key(7 + width))
+    q = mx.random.normal((1, 2, 3, 1, tile, d), key=ka)
+    keys = mx.random.normal((1, 2, width, d), key=kb)
+    return bool(mx.array_equal(_wide_scores(q, keys), _blocked_scores(q, keys, width // BLOCK_TOKENS)).item())
+
+
+def _scores(q: mx.array, keys: mx.array, blocks: int) -> mx.array:
+    """Scores of every (padded) query row against every key column, (B, kv, rows, width):
+    the blocked products' bits, through the wide product where that was shown to be them."""
+    if blocks > 1 and wide_scores_agree(q.shape[4], q.shape[5], keys.shape[2]):
+        return _wide_scores(q, keys)
+    return _blocked_scores(q, keys, blocks)
+
+
 def _full_mask(mask: Any, batch: int, length: int, keys: int) -> mx.array:
     """The mask as booleans of shape (batch, 1, length, keys): True where a query sees a key.
 
@@ -156,12 +193,14 @@ def invariant_attention(
     if tiles * tile != rows:
         q = mx.pad(q, [(0, 0), (0, 0), (0, tiles * tile - rows), (0, 0)])
     q = q.reshape(b, kv, tiles, 1, tile, d)
-    k_blocks = keys.reshape(b, kv, 1, blocks, block, d).swapaxes(-1, -2)
-    scores = (q @ k_blocks).swapaxes(3, 4).reshape(b, kv, tiles * tile, width)[:, :, :rows]
+    scores = _scores(q, keys, blocks)[:, :, :rows]
     seen = full[:, :, None]  # (B, 1, 1, L, width) against scores (B, kv, group, L, width)
     scores = mx.where(seen, scores.reshape(b, kv, group, length, width), -mx.inf)
     top = scores.max(axis=-1, keepdims=True)
-    weights = mx.where(seen, mx.exp(scores - top), 0.0).reshape(b, kv, rows, blocks, block)
+    # exp(-inf - top) is exactly 0 where top is finite, which is what masking the exponentials
+    # again would give; a row that sees no key (top -inf) subtracts 0 instead, for the same 0s.
+    top = mx.where(top == -mx.inf, 0.0, top)
+    weights = mx.exp(scores - top).reshape(b, kv, rows, blocks, block)
     # Per absolute block, then block after block from the first: a block adds an exact 0
     # where its keys are not seen.
     den = mx.cumsum(weights.sum(axis=-1), axis=-1)[..., -1:]
@@ -250,17 +289,41 @@ def _agrees(wrapper: InvariantAttention) -> bool:
         return False
 
 
-def invariant_attention_body(module: nn.Module, wrapped: list[InvariantAttention] | None = None) -> nn.Module:
+def _shape_key(a: nn.Module) -> tuple:
+    """What the probe's verdict depends on: the class, its head layout and scale, its RoPE's
+    kind, and its projections' shapes (not the weights' values)."""
+    shapes = tuple(
+        tuple(m["weight"].shape) for name in ("q_proj", "k_proj", "v_proj", "o_proj") if "weight" in (m := a[name])
+    )
+    return (type(a), a.n_heads, a.n_kv_heads, float(a.scale), type(a.rope), shapes)
+
+
+def invariant_attention_body(
+    module: nn.Module, wrapped: list[InvariantAttention] | None = None, checked: dict[tuple, bool] | None = None
+) -> nn.Module:
     """A copy of ``module``'s tree over the same arrays with every known attention module
-    that passes the probe wrapped in ``InvariantAttention`` (``wrapped`` collects them)."""
+    that passes the probe wrapped in ``InvariantAttention`` (``wrapped`` collects them).
+    The probe runs once per kind of layer (``_shape_key``): a model's 18 or 30 attention
+    layers are one or two kinds."""
+    checked = {} if checked is None else checked
     kind = KNOWN.get((type(module).__module__, type(module).__name__))
     if kind is not None:
         wrapper = InvariantAttention(module, kind)
-        if _agrees(wrapper):
+        try:
+            key: tuple | None = _shape_key(module)
+        except (AttributeError, KeyError, TypeError):  # not the layout KNOWN promises: probe it alone
+            key = None
+        if key is None or key not in checked:
+            agrees = _agrees(wrapper)
+            if key is not None:
+                checked[key] = agrees
+        else:
+            agrees = checked[key]
+        if agrees:
             if wrapped is not None:
                 wrapped.append(wrapper)
             return wrapper
         return module
     if not module.children():
         return module
-    return with_children(module, lambda m: invariant_attention_body(m, wrapped))
+    return with_children(module, lambda m: invariant_attention_body(m, wrapped, checked))

@@ -50,6 +50,7 @@ import ctypes
 import os
 import sys
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from functools import cache
 
 import numpy as np
@@ -92,61 +93,126 @@ def _library() -> ctypes.CDLL | None:
     return None
 
 
+# A product of at least this much work (rows × columns × inner) is cut by its output columns
+# into one part per thread, each part one single-threaded BLIS call (measured under the
+# benchmark lock, benchmarks/invariant_profile.py: BLIS's own two threads ran a 256-row
+# slice of the embedded model's gate projection at 14 ms, two such parts at 9 ms; a decode
+# row's projections are too small to gain from a second thread). Each output element is
+# the same sum whatever the cut: BLIS's small-matrix kernels reduce each one over the
+# inner dimension alone, and the cuts fall on multiples of ``SPLIT_COLUMNS`` columns, so
+# every part starts on a kernel tile (checked at load: ``kvshelf.model.gemv``).
+SPLIT_WORK = 1 << 22
+SPLIT_COLUMNS = 64
+
+
+def _column_cuts(n: int, parts: int) -> list[int]:
+    """Cut points of ``n`` columns into at most ``parts`` parts, on multiples of SPLIT_COLUMNS."""
+    tiles = -(-n // SPLIT_COLUMNS)
+    parts = max(1, min(parts, tiles))
+    return sorted({min(n, (tiles * i // parts) * SPLIT_COLUMNS) for i in range(parts + 1)})
+
+
 @cache
-def system_gemm() -> Gemm | None:
-    """``y = x @ weight.T`` (``x``: rows × k, ``weight``: n × k, both fp32 C-contiguous)
-    through BLIS's ``bli_sgemm``, or None if no BLIS is installed."""
+def _pool(threads: int) -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(max_workers=threads, thread_name_prefix="kvshelf-blis")
+
+
+Product = Callable[[np.ndarray, np.ndarray, int], np.ndarray]
+
+
+@cache
+def _product() -> Product | None:
+    """``(x, weight, parts) -> x @ weight.T`` through BLIS, in at most ``parts`` column parts
+    run side by side, or None if no BLIS is installed."""
     lib = _library()
     if lib is None:
         return None
-    threads = int(os.environ.get("BLIS_NUM_THREADS") or usable_cpus())
     lib.bli_thread_set_num_threads.argtypes = [ctypes.c_int64]
-    lib.bli_thread_set_num_threads(threads)
+    lib.bli_thread_set_num_threads(1)  # the threads are the column parts' (SPLIT_WORK)
     fn = lib.bli_sgemm
     fn.restype = None
     dim, ptr, trans = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
     fn.argtypes = [trans, trans, dim, dim, dim, ptr, ptr, dim, dim, ptr, dim, dim, ptr, ptr, dim, dim]
     one, zero = np.ones(1, dtype=np.float32), np.zeros(1, dtype=np.float32)
 
-    def gemm(x: np.ndarray, weight: np.ndarray) -> np.ndarray:
-        x = np.ascontiguousarray(x, dtype=np.float32)
-        weight = np.ascontiguousarray(weight, dtype=np.float32)  # a view already, never copied in practice
-        (m, k), n = x.shape, weight.shape[0]
-        if weight.shape != (n, k):
-            raise ValueError(f"gemm: {x.shape} @ {weight.shape}.T")
-        y = np.empty((m, n), dtype=np.float32)
-        # C (m×n, row stride n) = A (m×k, row stride k) · B (k×n: the weight, its rows and
-        # columns swapped by its strides: row stride 1, column stride k), SLICE_ROWS rows a call.
+    def columns(x: np.ndarray, weight: np.ndarray, y: np.ndarray, lo: int, hi: int) -> None:
+        """Columns ``lo..hi`` of ``y`` (rows of ``weight``), SLICE_ROWS rows a call."""
+        (m, k), n = x.shape, y.shape[1]
+        # C (m×(hi-lo), row stride n) = A (m×k, row stride k) · B (k×(hi-lo): the weight's
+        # rows lo..hi, its rows and columns swapped by its strides: row stride 1, column stride k).
         for i in range(0, m, SLICE_ROWS):
             rows = min(SLICE_ROWS, m - i)
             fn(
                 BLIS_NO_TRANSPOSE,
                 BLIS_NO_TRANSPOSE,
                 rows,
-                n,
+                hi - lo,
                 k,
                 one.ctypes.data,
                 x.ctypes.data + i * k * 4,
                 k,
                 1,
-                weight.ctypes.data,
+                weight.ctypes.data + lo * k * 4,
                 1,
                 k,
                 zero.ctypes.data,
-                y.ctypes.data + i * n * 4,
+                y.ctypes.data + (i * n + lo) * 4,
                 n,
                 1,
             )
+
+    def product(x: np.ndarray, weight: np.ndarray, parts: int) -> np.ndarray:
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        weight = np.ascontiguousarray(weight, dtype=np.float32)  # a view already, never copied in practice
+        (m, k), n = x.shape, weight.shape[0]
+        if weight.shape != (n, k):
+            raise ValueError(f"gemm: {x.shape} @ {weight.shape}.T")
+        y = np.empty((m, n), dtype=np.float32)
+        cuts = _column_cuts(n, parts)
+        if len(cuts) <= 2:
+            columns(x, weight, y, 0, n)
+        else:
+            spans = list(zip(cuts, cuts[1:]))
+            done = [_pool(parts).submit(columns, x, weight, y, lo, hi) for lo, hi in spans[1:]]
+            columns(x, weight, y, *spans[0])
+            for f in done:
+                f.result()
         return y
+
+    return product
+
+
+@cache
+def system_gemm() -> Gemm | None:
+    """``y = x @ weight.T`` (``x``: rows × k, ``weight``: n × k, both fp32 C-contiguous)
+    through BLIS's ``bli_sgemm``, or None if no BLIS is installed. A large product runs in
+    column parts, one per thread (``SPLIT_WORK``)."""
+    product = _product()
+    if product is None:
+        return None
+    threads = gemm_threads()
+
+    def gemm(x: np.ndarray, weight: np.ndarray) -> np.ndarray:
+        work = x.shape[0] * weight.shape[0] * weight.shape[1]
+        return product(x, weight, threads if work >= SPLIT_WORK else 1)
 
     return gemm
 
 
+def gemm_uncut(x: np.ndarray, weight: np.ndarray) -> np.ndarray:
+    """``system_gemm``'s product as one BLIS call on this thread (what the cut one must equal)."""
+    product = _product()
+    if product is None:
+        raise RuntimeError("BLIS is not installed")
+    return product(x, weight, 1)
+
+
+def gemm_threads() -> int:
+    """The threads a large product runs on: one per core this process may use
+    (``blas.usable_cpus``), or ``BLIS_NUM_THREADS``."""
+    return int(os.environ.get("BLIS_NUM_THREADS") or usable_cpus())
+
+
 def blis_threads() -> int | None:
-    """The threads BLIS runs for the few-rows products (None when BLIS is not in use)."""
-    if system_gemm() is None:
-        return None
-    lib = _library()
-    assert lib is not None
-    lib.bli_thread_get_num_threads.restype = ctypes.c_int64
-    return int(lib.bli_thread_get_num_threads())
+    """The threads BLIS's products run on (None when BLIS is not in use)."""
+    return gemm_threads() if system_gemm() is not None else None

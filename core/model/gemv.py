@@ -29,13 +29,14 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from functools import cache
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
 from kvshelf.model.attention import invariant_attention_body
-from kvshelf.model.few_rows import MAX_FEW_ROWS, Gemm, batches_through_blis, system_gemm
+from kvshelf.model.few_rows import MAX_FEW_ROWS, Gemm, batches_through_blis, gemm_uncut, system_gemm
 from kvshelf.model.head import ProjectedModel, buffer_view, dot_error_bound, system_sgemv, with_fast_head
 from kvshelf.model.module_tree import with_children
 from kvshelf.switches import ON
@@ -117,11 +118,25 @@ def _eligible(layer: nn.Module) -> bool:
     return weight.dtype == mx.float32 and weight.ndim == 2 and mx.default_device() == mx.cpu
 
 
-def _agrees(layer: GemvLinear) -> bool:
-    """Probe rows through sgemv (and BLIS) lie within the fp32 error bound of the layer's own."""
+def _agrees(layer: GemvLinear, checked: dict[tuple, bool] | None = None) -> bool:
+    """Probe rows through sgemv (and BLIS) lie within the fp32 error bound of the layer's own.
+
+    ``checked``: verdicts by weight shape, so that the layers of one shape (every layer's
+    q_proj, say) are probed once per build: the kernels, and so whether they compute the
+    layer's product, depend on the shape, not on the weights' values."""
     weight = buffer_view(layer.linear["weight"])
     if not weight.flags.c_contiguous:  # sgemv would need a copy per call
         return False
+    key = (weight.shape, layer._gemm is not None)
+    if checked is not None and key in checked:
+        return checked[key]
+    agrees = _probe_agrees(layer, weight)
+    if checked is not None:
+        checked[key] = agrees
+    return agrees
+
+
+def _probe_agrees(layer: GemvLinear, weight: np.ndarray) -> bool:
     cols = weight.shape[1]
     probe = mx.sin(mx.arange(2 * cols, dtype=mx.float32) * 0.37).reshape(2, 1, cols)
     own = np.asarray(layer.linear(probe)).reshape(2, -1)
@@ -143,19 +158,22 @@ def gemv_body(
     wrapped: list[GemvLinear] | None = None,
     one_row: bool = True,
     all_rows: bool = False,
+    checked: dict[tuple, bool] | None = None,
 ) -> nn.Module:
     """A copy of ``module``'s module tree over the same arrays, with every eligible
-    ``nn.Linear`` a ``GemvLinear`` (those that pass the probe; ``wrapped`` collects them)."""
+    ``nn.Linear`` a ``GemvLinear`` (those that pass the probe, once per weight shape;
+    ``wrapped`` collects them)."""
+    checked = {} if checked is None else checked
     if _eligible(module):
         layer = GemvLinear(module, sgemv, gemm, one_row, all_rows)  # type: ignore[arg-type]
-        if _agrees(layer):
+        if _agrees(layer, checked):
             if wrapped is not None:
                 wrapped.append(layer)
             return layer
         return module
     if not module.children():  # a leaf that stays as it is (a norm, an embedding, a biased linear)
         return module
-    return with_children(module, lambda m: gemv_body(m, sgemv, gemm, wrapped, one_row, all_rows))
+    return with_children(module, lambda m: gemv_body(m, sgemv, gemm, wrapped, one_row, all_rows, checked))
 
 
 def with_fast_linears(
@@ -164,6 +182,7 @@ def with_fast_linears(
     all_rows: bool | None = None,
     batches: bool | None = None,
     attention: bool | None = None,
+    head: nn.Module | ProjectedModel | None = None,
 ) -> nn.Module | ProjectedModel:
     """``with_fast_head(model)`` whose body also runs its batch-1 projections through sgemv
     (``one_row``) and a decode batch's through BLIS (``batches``; None: ``few_rows``'s default).
@@ -174,8 +193,9 @@ def with_fast_linears(
     Only where the head itself could be wrapped (fp32 on the CPU with the system OpenBLAS
     and an architecture that is body then projection), and only if the copied body is
     the same function: bit-identical to the model's own body on a multi-token probe
-    (every row there goes through MLX's matmul in both)."""
-    fast = with_fast_head(model)
+    (every row there goes through MLX's matmul in both). ``head``: ``with_fast_head(model)``
+    already built (a ``LoadedModel``'s ``forward``), so its probe is not run twice."""
+    fast = _head_of(model, head)
     sgemv = system_sgemv()
     if not isinstance(fast, ProjectedModel) or sgemv is None:
         return fast
@@ -210,6 +230,16 @@ def with_fast_linears(
     )
 
 
+def _head_of(model: nn.Module, built: nn.Module | ProjectedModel | None) -> nn.Module | ProjectedModel:
+    """``with_fast_head(model)``, taken from ``built`` (a forward over the same model) when
+    that has it: the same head, projection and sgemv, already verified."""
+    if isinstance(built, ProjectedModel) and built.inner is model:
+        return ProjectedModel(model, built._project, built._head, built._sgemv)
+    if built is model:  # the head was found not to be the model's own function: nothing to wrap
+        return model
+    return with_fast_head(model)
+
+
 def _with_attention(fast: ProjectedModel, invariant: bool) -> ProjectedModel:
     """``fast`` with its body's attention modules made invariant, if asked."""
     if not invariant:
@@ -217,6 +247,7 @@ def _with_attention(fast: ProjectedModel, invariant: bool) -> ProjectedModel:
     return ProjectedModel(fast.inner, fast._project, fast._head, fast._sgemv, body=invariant_attention_body(fast.body))
 
 
+@cache
 def _row_invariant(gemm: Gemm) -> bool:
     """A row of BLIS's product does not depend on how many rows come with it (checked up
     to 600 rows: ``few_rows`` slices longer products)."""
@@ -225,9 +256,24 @@ def _row_invariant(gemm: Gemm) -> bool:
     x = rng.standard_normal((600, 640)).astype(np.float32)
     full = gemm(x, weight)
     one = np.concatenate([gemm(x[i : i + 1], weight) for i in range(0, 600, 37)])
-    return np.array_equal(one, full[::37]) and all(
-        np.array_equal(gemm(x[:m], weight), full[:m]) for m in (2, 7, 16, 17, 48, 64, 257)
+    return (
+        np.array_equal(one, full[::37])
+        and all(np.array_equal(gemm(x[:m], weight), full[:m]) for m in (2, 7, 16, 17, 48, 64, 257))
+        and _split_invariant(gemm)
     )
+
+
+def _split_invariant(gemm: Gemm) -> bool:
+    """A product cut into column parts (``few_rows.SPLIT_WORK``) has the bits of one uncut
+    call, on shapes that are cut and ones that are not (a decode row, a prefill slice, a
+    column count that is not a multiple of the cut)."""
+    rng = np.random.default_rng(1)
+    for m, n, k in ((1, 1000, 640), (3, 4160, 576), (256, 2048, 640), (300, 200, 2048)):
+        x = rng.standard_normal((m, k)).astype(np.float32)
+        weight = rng.standard_normal((n, k)).astype(np.float32)
+        if not np.array_equal(gemm(x, weight), gemm_uncut(x, weight)):
+            return False
+    return True
 
 
 def _head_agrees(fast: ProjectedModel, gemm: Gemm) -> bool:

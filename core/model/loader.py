@@ -79,7 +79,7 @@ class LoadedModel:
         are then not paid by the first request)."""
         if gemv.SHAPE_INVARIANT or not gemv.GREEDY_INVARIANT:
             return self.forward
-        return with_fast_linears(self.model, all_rows=True, attention=True)
+        return with_fast_linears(self.model, all_rows=True, attention=True, head=self.forward)
 
 
 def _compute_dtype() -> mx.Dtype:
