@@ -201,6 +201,8 @@ def with_fast_linears(
         return fast
     invariant = SHAPE_INVARIANT if attention is None else attention
     gemm = system_gemm()
+    if gemm is not None and not _split_invariant(gemm):  # column parts not the one call's bits: one call
+        gemm = gemm_uncut
     all_rows = (SHAPE_INVARIANT if all_rows is None else all_rows) and gemm is not None and _row_invariant(gemm)
     # a decode batch's rows through BLIS only when asked (kvshelf.model.few_rows says why)
     if not all_rows and not (batches_through_blis() if batches is None else batches):
@@ -256,13 +258,12 @@ def _row_invariant(gemm: Gemm) -> bool:
     x = rng.standard_normal((600, 640)).astype(np.float32)
     full = gemm(x, weight)
     one = np.concatenate([gemm(x[i : i + 1], weight) for i in range(0, 600, 37)])
-    return (
-        np.array_equal(one, full[::37])
-        and all(np.array_equal(gemm(x[:m], weight), full[:m]) for m in (2, 7, 16, 17, 48, 64, 257))
-        and _split_invariant(gemm)
+    return np.array_equal(one, full[::37]) and all(
+        np.array_equal(gemm(x[:m], weight), full[:m]) for m in (2, 7, 16, 17, 48, 64, 257)
     )
 
 
+@cache
 def _split_invariant(gemm: Gemm) -> bool:
     """A product cut into column parts (``few_rows.SPLIT_WORK``) has the bits of one uncut
     call, on shapes that are cut and ones that are not (a decode row, a prefill slice, a
