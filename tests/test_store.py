@@ -203,7 +203,7 @@ GOOD_IDS = [
     "0",
     "x" * 128,
     hashlib.md5(b"crew agent").hexdigest(),
-    f"alice_{uuid.uuid4()}",
+    f"alice_{uuid.uuid5(uuid.NAMESPACE_DNS, 'alice')}",  # fixed: both xdist workers must collect the same ids
     "bob@example.com",
     "team:planner-1",
     "A.b_c:d@e-f",
