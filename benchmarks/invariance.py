@@ -6,7 +6,7 @@ What it measures is in ``kvbench.invariance`` (also the Invariance section of
     python benchmarks/invariance.py [--run-dir DIR] [--only I-J] [--stages hot,cold,warm]
         [--conversations 50] [--min-tokens 300] [--max-tokens 3000] [--generate 64] [--model embedded]
     python benchmarks/invariance.py --report DIR      # pool DIR's conversations: JSON, chart, section
-    python benchmarks/invariance.py --plan            # the run's processes, one --work a line
+    python benchmarks/invariance.py --plan [--by-conversation]  # the run's processes, one --work a line
     python benchmarks/invariance.py --run-dir DIR --work 0:warm,1:hot   # those stages, in one process
     python benchmarks/invariance.py --cost [--max-tokens 1200] [--generate 16]   # kernels' cost, one run
         (``--conversations 0`` says the same, as it did before the run was resumable)
@@ -64,6 +64,17 @@ def processes(plan: list[int], budget: float = PROCESS_BUDGET_S) -> list[Work]:
     return [*out, current] if current else out
 
 
+def processes_by_conversation(plan: list[int]) -> list[Work]:
+    """One process per conversation: the previous conversation's "warm" (so never in the
+    process that ran its "hot"), then this one's "hot" and "cold". A process then pays one
+    model load per conversation instead of up to three, for holding the test lock longer
+    (3-13 minutes at load 2-5): for a machine nobody else needs to benchmark on."""
+    out: list[Work] = []
+    for i in range(len(plan)):
+        out.append([*([(i - 1, "warm")] if i else []), (i, "hot"), (i, "cold")])
+    return [*out, [(len(plan) - 1, "warm")]] if plan else out
+
+
 def parse_work(spec: str) -> Work:
     """``"0:warm,1:hot"``: conversation 0's warm stage, then conversation 1's hot one."""
     items = []
@@ -109,6 +120,9 @@ def main() -> None:
     ap.add_argument("--model", default="embedded")
     ap.add_argument("--report", type=Path, metavar="DIR")
     ap.add_argument("--plan", action="store_true")
+    ap.add_argument(
+        "--by-conversation", action="store_true", help="with --plan: one process per conversation (see its function)"
+    )
     ap.add_argument("--cost", action="store_true")
     args = ap.parse_args()
     if args.report is not None:
@@ -116,7 +130,7 @@ def main() -> None:
     options = runs.Options(args.conversations, args.min_tokens, args.max_tokens, args.generate)
     plan = inv.lengths(options.conversations, options.min_tokens, options.max_tokens)
     if args.plan and options.conversations > 0:  # one process a line
-        for items in processes(plan):
+        for items in processes_by_conversation(plan) if args.by_conversation else processes(plan):
             print(",".join(f"{i}:{stage}" for i, stage in items))
         return
     run_dir = args.run_dir or RESULTS / f"invariance-50-{time.strftime('%Y%m%d-%H%M%S')}"

@@ -5,6 +5,8 @@
 # same run directory and it goes on where it stopped (finished stages are skipped).
 #
 #   setsid nohup benchmarks/invariance_run.sh [RUN_DIR] >/dev/null 2>&1 &
+#   (INVARIANCE_BY_CONVERSATION=1: one process per conversation, one model load each, longer
+#   holds of the lock; INVARIANCE_NICE=0 to run at normal priority: a machine nobody else benchmarks on)
 #   (or from a frozen copy: git archive HEAD | tar -x -C DIR; git rev-parse HEAD >DIR/FROZEN_COMMIT)
 #   python benchmarks/invariance.py --report RUN_DIR     # pool what is done
 #
@@ -27,7 +29,7 @@ while read -r work; do
   for attempt in 1 2; do
     echo "$(date -u +%FT%TZ) process for $work, attempt $attempt; load $(cut -d' ' -f1-3 /proc/loadavg)" >>"$LOG"
     start=$(date +%s)
-    if /work/bin/kv-test nice -n 10 env PYTHONPATH="$PYTHONPATH" "$PY" benchmarks/invariance.py \
+    if /work/bin/kv-test nice -n "${INVARIANCE_NICE:-10}" env PYTHONPATH="$PYTHONPATH" "$PY" benchmarks/invariance.py \
       --run-dir "$RUN_DIR" --work "$work" </dev/null >>"$LOG" 2>&1; then
       echo "$(date -u +%FT%TZ) $work done in $(($(date +%s) - start)) s" >>"$LOG"
       break
@@ -35,5 +37,5 @@ while read -r work; do
     echo "$(date -u +%FT%TZ) $work FAILED after $(($(date +%s) - start)) s" >>"$LOG"
     [ "$attempt" = 2 ] && { echo "$(date -u +%FT%TZ) giving up" >>"$LOG"; exit 1; }
   done
-done < <("$PY" benchmarks/invariance.py --plan)
+done < <("$PY" benchmarks/invariance.py --plan ${INVARIANCE_BY_CONVERSATION:+--by-conversation})
 echo "$(date -u +%FT%TZ) all conversations done" >>"$LOG"

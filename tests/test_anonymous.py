@@ -7,13 +7,11 @@ import numpy as np
 import pytest
 
 from kvshelf.runtime.engine import Engine
-from tests.support.exact import exact_chunk
 
 LONG = " ".join(f"line {i}: the tide came in at {i % 12} o'clock." for i in range(20))
 SYSTEM = {"role": "system", "content": "You are a harbour master. " + LONG}
 # Over one 256-token key block (a byte per token), so a second turn reuses a closed block
-# and its open tail, at a third of SYSTEM's prefill (the exactness test's deepseek_v2 case
-# prefills token by token: tests/support/exact.py).
+# and its open tail, at a third of SYSTEM's prefill.
 SHORTER = {"role": "system", "content": "You are a harbour master. " + LONG[: LONG.index("line 8:")]}
 
 
@@ -31,8 +29,8 @@ def files_under(path) -> list:
 
 @pytest.mark.parametrize("kind", ["llama", "gemma3_text", "deepseek_v2"])
 def test_a_growing_anonymous_conversation_reuses_its_prefix_exactly(kind, tiny_dirs, tmp_path):
-    engine = Engine(model=tiny_dirs[kind], cache_dir=tmp_path / "a", prefill_chunk=exact_chunk(kind))
-    fresh = Engine(model=tiny_dirs[kind], cache_dir=tmp_path / "b", prefill_chunk=exact_chunk(kind))
+    engine = Engine(model=tiny_dirs[kind], cache_dir=tmp_path / "a")
+    fresh = Engine(model=tiny_dirs[kind], cache_dir=tmp_path / "b")
     r1 = engine.chat(None, first_turn(system=SHORTER), max_tokens=8)
     assert r1.cache == "none" and r1.usage.cached_tokens == 0 and r1.usage.prompt_tokens > 256
     msgs = next_turn(first_turn(system=SHORTER), r1.text, "And tomorrow?")
@@ -43,7 +41,7 @@ def test_a_growing_anonymous_conversation_reuses_its_prefix_exactly(kind, tiny_d
     # reuse is exact: the same tokens and logits as computing the whole prompt from nothing
     cold = fresh.chat(None, msgs, max_tokens=8)  # an engine that never saw turn 1
     assert cold.usage.cached_tokens == 0 and r2.token_ids == cold.token_ids
-    other = Engine(model=tiny_dirs[kind], cache_dir=tmp_path / "c", prefill_chunk=exact_chunk(kind))
+    other = Engine(model=tiny_dirs[kind], cache_dir=tmp_path / "c")
     assert np.array_equal(engine.prefill(None, msgs), other.prefill(None, msgs))
     # never persisted: no agent, no file
     assert engine.agents() == [] and files_under(tmp_path / "a") == []

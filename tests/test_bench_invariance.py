@@ -189,3 +189,15 @@ def test_the_run_is_packed_into_processes_that_keep_warm_apart_from_its_hot():
     assert script.parse_work("0:warm,1:hot") == [(0, "warm"), (1, "hot")]
     with pytest.raises(SystemExit):
         script.parse_work("0:lukewarm")
+
+
+def test_one_process_per_conversation_runs_every_stage_once_and_warm_in_a_later_process():
+    import invariance as script  # benchmarks/invariance.py
+
+    procs = script.processes_by_conversation(invariance.lengths(50, 300, 3000))
+    items = [item for work in procs for item in work]
+    assert sorted(items) == sorted((i, stage) for i in range(50) for stage in invariance.STAGES)
+    assert len(procs) == 51 and procs[0] == [(0, "hot"), (0, "cold")] and procs[-1] == [(49, "warm")]
+    for p, work in enumerate(procs):  # a conversation's warm comes one process after its hot
+        assert not any((i, "hot") in work for i, stage in work if stage == "warm")
+        assert all((i, "hot") in procs[p - 1] for i, stage in work if stage == "warm")

@@ -10,7 +10,6 @@ import pytest
 from kvshelf.errors import InvalidAgentId
 from kvshelf.runtime.engine import Engine
 from kvshelf.runtime.results import ChatResult
-from tests.support.exact import exact_chunk
 from tests.support.subprocesses import continue_in_new_process, run_in_subprocess
 
 KINDS = ["llama", "gemma3_text", "deepseek_v2"]
@@ -62,9 +61,9 @@ def test_growing_conversation_prefills_only_new_tokens(kind, tiny_dirs, tmp_path
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_divergence_cuts_back_and_matches_fresh_computation(kind, tiny_dirs, tmp_path):
-    """State is a pure function of the tokens (``exact_chunk``), so reuse must be exact."""
-    warm = Engine(model=tiny_dirs[kind], cache_dir=tmp_path / "a", prefill_chunk=exact_chunk(kind))
-    fresh = Engine(model=tiny_dirs[kind], cache_dir=tmp_path / "b", prefill_chunk=exact_chunk(kind))
+    """State is a pure function of the tokens (whatever the prefill chunks), so reuse must be exact."""
+    warm = Engine(model=tiny_dirs[kind], cache_dir=tmp_path / "a")
+    fresh = Engine(model=tiny_dirs[kind], cache_dir=tmp_path / "b")
     first = [convo()[0], {"role": "user", "content": LONG[:300] + " First version of the question?"}]
     edited = [convo()[0], {"role": "user", "content": LONG[:300] + " Second, edited question!"}]
     warm.chat("carol", first, max_tokens=6)
@@ -81,8 +80,8 @@ def test_divergence_cuts_back_and_matches_fresh_computation(kind, tiny_dirs, tmp
 
 def test_sliding_window_rewind_and_recompute(tiny_dirs, tmp_path):
     """Window-16 layers hold only window + one slack block; a deep rewind is recomputed."""
-    warm = Engine(model=tiny_dirs["gemma3_text"], cache_dir=tmp_path / "a", prefill_chunk=exact_chunk("gemma3_text"))
-    fresh = Engine(model=tiny_dirs["gemma3_text"], cache_dir=tmp_path / "b", prefill_chunk=exact_chunk("gemma3_text"))
+    warm = Engine(model=tiny_dirs["gemma3_text"], cache_dir=tmp_path / "a")
+    fresh = Engine(model=tiny_dirs["gemma3_text"], cache_dir=tmp_path / "b")
     text = LONG[:560]
     warm.chat("dan", convo_of(text), max_tokens=4)
     cache = warm._shelf.pool.get("dan")

@@ -273,13 +273,13 @@ def test_mlx_attention_rows_depend_on_the_key_count():
 
 
 @pytest.mark.skipif(system_gemm() is None, reason="BLIS (libblis4-pthread) is not installed")
-@pytest.mark.parametrize("kind", KINDS)
-def test_shape_invariant_logits_of_a_row_are_the_same_in_any_chunk_and_batch(dirs, kind):
+@pytest.mark.parametrize("kind", [*KINDS, "deepseek_v2"])  # with DeepSeek-V2's latent attention
+def test_shape_invariant_logits_of_a_row_are_the_same_in_any_chunk_and_batch(tiny_dirs, kind):
     """With the switch on (every projection through BLIS, every attention invariant), a
     token's logits through the 4-bit cache are the same bits in one 600-token call, in
     64-token chunks, as a 1-token decode step, and decoded in a batch with another agent
     through the decode working set: not only the same greedy token."""
-    loaded = load(dirs[kind], progress=False)
+    loaded = load(tiny_dirs[kind], progress=False)
     fast = with_fast_linears(loaded.model, all_rows=True, attention=True)
     assert isinstance(fast, ProjectedModel) and fast._all_rows
     layers = loaded.model.model.layers

@@ -54,12 +54,14 @@ from kvshelf.model.spec import BLOCK_TOKENS
 
 # Attention classes whose __call__ is: q/k/v projections, per-head reshape, (per-head q/k
 # norms), RoPE at the cache offset, ``update_and_fetch``, attention, ``o_proj``. The value
-# says whether the per-head norms are there.
+# says whether the per-head norms are there. DeepSeek-V2's latent attention is its own
+# wrapper (``InvariantLatentAttention``; ``WRAPPERS``).
 KNOWN = {
     ("mlx_lm.models.llama", "Attention"): False,
     ("mlx_lm.models.qwen2", "Attention"): False,
     ("mlx_lm.models.qwen3", "Attention"): True,
     ("mlx_lm.models.gemma3_text", "Attention"): True,
+    ("mlx_lm.models.deepseek_v2", "DeepseekV2Attention"): False,
 }
 
 
@@ -250,12 +252,7 @@ class InvariantAttention(nn.Module):
         if cache is None or key_origins(cache, 1, 1) is None or (mask is not None and _additive(mask)):
             return a(x, mask, cache)
         b, length, _ = x.shape
-        q = a.q_proj(x).reshape(b, length, a.n_heads, -1).transpose(0, 2, 1, 3)
-        k = a.k_proj(x).reshape(b, length, a.n_kv_heads, -1).transpose(0, 2, 1, 3)
-        v = a.v_proj(x).reshape(b, length, a.n_kv_heads, -1).transpose(0, 2, 1, 3)
-        if self._head_norms:
-            q, k = a.q_norm(q), a.k_norm(k)
-        q, k = a.rope(q, offset=cache.offset), a.rope(k, offset=cache.offset)
+        q, k, v = self.project(x, cache.offset)
         keys, values = cache.update_and_fetch(k, v)
         keys, values = _dense(keys, cache, q.dtype), _dense(values, cache, q.dtype)
         origins = key_origins(cache, keys.shape[2], length)
@@ -264,6 +261,46 @@ class InvariantAttention(nn.Module):
         else:
             out = invariant_attention(q, keys, values, a.scale, mask, origins)
         return a.o_proj(out.transpose(0, 2, 1, 3).reshape(b, length, -1))
+
+    def project(self, x: mx.array, offset: Any) -> tuple[mx.array, mx.array, mx.array]:
+        """Queries, keys and values by head, (B, heads, L, d), RoPE applied at ``offset``:
+        what the module itself hands its cache and its attention."""
+        a = self.attention
+        b, length, _ = x.shape
+        q = a.q_proj(x).reshape(b, length, a.n_heads, -1).transpose(0, 2, 1, 3)
+        k = a.k_proj(x).reshape(b, length, a.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        v = a.v_proj(x).reshape(b, length, a.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        if self._head_norms:
+            q, k = a.q_norm(q), a.k_norm(k)
+        return a.rope(q, offset=offset), a.rope(k, offset=offset), v
+
+
+class InvariantLatentAttention(InvariantAttention):
+    """DeepSeek-V2's multi-head latent attention (mlx-lm 0.32's ``DeepseekV2Attention``).
+
+    Its keys and values come from a low-rank latent through ``kv_b_proj``, and only part of
+    each query/key head is rotated, but what reaches the cache is plain per-head keys
+    (unrotated part, then rotated part: one head dim) and values (another head dim), as
+    mlx-lm's own module caches them. So it is the same invariant attention over the same
+    cache; only the projections differ."""
+
+    def project(self, x: mx.array, offset: Any) -> tuple[mx.array, mx.array, mx.array]:
+        a = self.attention
+        b, length, _ = x.shape
+        q = a.q_proj(x) if a.q_lora_rank is None else a.q_b_proj(a.q_a_layernorm(a.q_a_proj(x)))
+        q_nope, q_pe = mx.split(q.reshape(b, length, a.num_heads, -1).transpose(0, 2, 1, 3), [a.qk_nope_head_dim], -1)
+        latent, k_pe = mx.split(a.kv_a_proj_with_mqa(x), [a.kv_lora_rank], axis=-1)
+        k_pe = k_pe.reshape(b, length, 1, a.qk_rope_head_dim).transpose(0, 2, 1, 3)
+        kv = a.kv_b_proj(a.kv_a_layernorm(latent)).reshape(b, length, a.num_heads, -1).transpose(0, 2, 1, 3)
+        k_nope, values = mx.split(kv, [a.qk_nope_head_dim], axis=-1)
+        q_pe, k_pe = a.rope(q_pe, offset), mx.repeat(a.rope(k_pe, offset), a.num_heads, axis=1)
+        return mx.concatenate([q_nope, q_pe], axis=-1), mx.concatenate([k_nope, k_pe], axis=-1), values
+
+
+# The wrapper of a known class (``KNOWN``) where it is not ``InvariantAttention`` itself.
+WRAPPERS: dict[tuple[str, str], type[InvariantAttention]] = {
+    ("mlx_lm.models.deepseek_v2", "DeepseekV2Attention"): InvariantLatentAttention,
+}
 
 
 def _additive(mask: Any) -> bool:
@@ -274,7 +311,9 @@ def _agrees(wrapper: InvariantAttention) -> bool:
     """The wrapper's prefill and decode on an mlx-lm ``KVCache`` agree with the module's own
     to fp32 rounding (another summation order, so not bit for bit)."""
     a = wrapper.attention
-    dim = next((int(m["weight"].shape[1]) for _, m in a.q_proj.named_modules() if "weight" in m), None)
+    first = next((a[name] for name in ("q_proj", "q_a_proj") if name in a), None)  # the input's width
+    weights = [] if first is None else [m["weight"] for _, m in first.named_modules() if "weight" in m]
+    dim = int(weights[0].shape[1]) if weights else None
     if dim is None:
         return False
     x = mx.sin(mx.arange(40 * dim, dtype=mx.float32) * 0.31).reshape(1, 40, dim)
@@ -291,11 +330,10 @@ def _agrees(wrapper: InvariantAttention) -> bool:
 
 def _shape_key(a: nn.Module) -> tuple:
     """What the probe's verdict depends on: the class, its head layout and scale, its RoPE's
-    kind, and its projections' shapes (not the weights' values)."""
-    shapes = tuple(
-        tuple(m["weight"].shape) for name in ("q_proj", "k_proj", "v_proj", "o_proj") if "weight" in (m := a[name])
-    )
-    return (type(a), a.n_heads, a.n_kv_heads, float(a.scale), type(a.rope), shapes)
+    kind, and its weights' shapes (not their values)."""
+    shapes = tuple((name, tuple(m["weight"].shape)) for name, m in a.named_modules() if "weight" in m)
+    heads = tuple(getattr(a, name, None) for name in ("n_heads", "n_kv_heads", "num_heads"))
+    return (type(a), heads, float(a.scale), type(a.rope), shapes)
 
 
 def invariant_attention_body(
@@ -306,9 +344,10 @@ def invariant_attention_body(
     The probe runs once per kind of layer (``_shape_key``): a model's 18 or 30 attention
     layers are one or two kinds."""
     checked = {} if checked is None else checked
-    kind = KNOWN.get((type(module).__module__, type(module).__name__))
+    name = (type(module).__module__, type(module).__name__)
+    kind = KNOWN.get(name)
     if kind is not None:
-        wrapper = InvariantAttention(module, kind)
+        wrapper = WRAPPERS.get(name, InvariantAttention)(module, kind)
         try:
             key: tuple | None = _shape_key(module)
         except (AttributeError, KeyError, TypeError):  # not the layout KNOWN promises: probe it alone
