@@ -25,23 +25,15 @@ def embedded_loaded():
     return load("embedded", progress=False)
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups (--dist loadgroup)
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Each test file is one xdist group; a test that loads the real model is ``embedded``.
+    """A test that loads the real embedded model is an ``embedded`` test, marked or not.
 
-    With ``--dist loadgroup`` (pyproject's addopts) a group runs whole on one worker: a
-    file's module fixtures (servers, engines, clusters) start once and its tests run in
-    file order, as they do serially. A long file may split itself by marking its own
-    ``xdist_group`` s; its marked tests keep theirs.
-
-    The ``embedded`` marker decides the fast tier (``-m "not embedded"``: tiny models only),
-    so it is derived from what a test really uses: any test whose fixtures reach
+    The marker decides the fast tier (``-m "not embedded"``: tiny models only), so it is
+    derived from what a test really uses: any test whose fixtures reach
     ``embedded_loaded`` (loading Gemma 3 270M costs seconds, far more with a cold page
     cache) gets it too.
     """
     for item in items:
-        if not any(item.iter_markers("xdist_group")):
-            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::", 1)[0]))
         if "embedded_loaded" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.embedded)
         # A module may name single parametrized cases it expects to fail (``XFAIL_CASES``:
