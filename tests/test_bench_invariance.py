@@ -201,3 +201,10 @@ def test_one_process_per_conversation_runs_every_stage_once_and_warm_in_a_later_
     for p, work in enumerate(procs):  # a conversation's warm comes one process after its hot
         assert not any((i, "hot") in work for i, stage in work if stage == "warm")
         assert all((i, "hot") in procs[p - 1] for i, stage in work if stage == "warm")
+
+
+def test_non_finite_logits_are_reported_not_dropped():
+    from kvbench import invariance_runs
+
+    assert invariance_runs.worst([0.0, 0.5]) == 0.5
+    assert np.isnan(invariance_runs.worst([0.0, float("nan"), 0.5]))  # max() would say 0.5

@@ -199,6 +199,15 @@ def merge(run_dir: Path, index: int, options: Options) -> bool:
     return True
 
 
+def _finite(x: float | None) -> bool:
+    return x is None or bool(np.isfinite(x))
+
+
+def worst(deltas: list[float]) -> float:
+    """The largest |dlogit|, NaN if any is (non-finite logits: ``max`` alone would drop it)."""
+    return float("nan") if not all(_finite(d) for d in deltas) else max(deltas)
+
+
 def aggregate(run_dir: Path) -> dict:
     """Every finished conversation of ``run_dir`` pooled: the share identical on every path,
     the largest |dlogit|, every divergence with its margin, per-path counts, the tokens."""
@@ -217,7 +226,7 @@ def aggregate(run_dir: Path) -> dict:
             )
             row["conversations"] += 1
             row["identical"] += bool(p["identical"])
-            row["max_abs_dlogit"] = max(row["max_abs_dlogit"], p["max_abs_dlogit"] or 0.0)
+            row["max_abs_dlogit"] = worst([row["max_abs_dlogit"], p["max_abs_dlogit"] or 0.0])
             if not p["identical"]:
                 row["divergences"].append([c["conversation"], p["diverges_at"], p["reference_top2_margin"]])
         for p in c["paths"]:
@@ -235,7 +244,10 @@ def aggregate(run_dir: Path) -> dict:
         "generate": options.get("generate"),
         "identical": identical,
         "identical_share": identical / max(1, len(convs)),
-        "largest_abs_dlogit": max(deltas) if deltas else None,
+        "largest_abs_dlogit": worst(deltas) if deltas else None,
+        "non_finite": [
+            [c["conversation"], p["path"]] for c in convs for p in c["paths"] if not _finite(p["max_abs_dlogit"])
+        ],
         "divergences": divergences,
         "per_path": per_path,
         "tokens": {
