@@ -29,9 +29,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """A test that loads the real embedded model is an ``embedded`` test, marked or not.
 
     The marker decides the fast tier (``-m "not embedded"``: tiny models only), so it is
-    derived from what a test really uses: any test whose fixtures reach
-    ``embedded_loaded`` (loading Gemma 3 270M costs seconds, far more with a cold page
-    cache) gets it too.
+    derived from what a test really uses: any test whose fixtures reach ``embedded_loaded``
+    (loading Gemma 3 270M costs seconds, far more with a cold page cache) gets it too.
     """
     for item in items:
         if "embedded_loaded" in getattr(item, "fixturenames", ()):

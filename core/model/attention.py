@@ -52,19 +52,6 @@ from mlx_lm.models.cache import KVCache
 from kvshelf.model.module_tree import with_children
 from kvshelf.model.spec import BLOCK_TOKENS
 
-# Attention classes whose __call__ is: q/k/v projections, per-head reshape, (per-head q/k
-# norms), RoPE at the cache offset, ``update_and_fetch``, attention, ``o_proj``. The value
-# says whether the per-head norms are there. DeepSeek-V2's latent attention is its own
-# wrapper (``InvariantLatentAttention``; ``WRAPPERS``).
-KNOWN = {
-    ("mlx_lm.models.llama", "Attention"): False,
-    ("mlx_lm.models.qwen2", "Attention"): False,
-    ("mlx_lm.models.qwen3", "Attention"): True,
-    ("mlx_lm.models.gemma3_text", "Attention"): True,
-    ("mlx_lm.models.deepseek_v2", "DeepseekV2Attention"): False,
-}
-
-
 # Row tiles tried, largest first: a product of this many query rows by one key block.
 TILE_CANDIDATES = (8, 4, 2)
 
@@ -297,9 +284,16 @@ class InvariantLatentAttention(InvariantAttention):
         return mx.concatenate([q_nope, q_pe], axis=-1), mx.concatenate([k_nope, k_pe], axis=-1), values
 
 
-# The wrapper of a known class (``KNOWN``) where it is not ``InvariantAttention`` itself.
-WRAPPERS: dict[tuple[str, str], type[InvariantAttention]] = {
-    ("mlx_lm.models.deepseek_v2", "DeepseekV2Attention"): InvariantLatentAttention,
+# Attention classes whose __call__ is: q/k/v projections, per-head reshape, (per-head q/k
+# norms), RoPE at the cache offset, ``update_and_fetch``, attention, ``o_proj``: the wrapper
+# that recomputes it, and whether the per-head norms are there. DeepSeek-V2's latent
+# attention differs only in its projections (``InvariantLatentAttention``).
+KNOWN: dict[tuple[str, str], tuple[type[InvariantAttention], bool]] = {
+    ("mlx_lm.models.llama", "Attention"): (InvariantAttention, False),
+    ("mlx_lm.models.qwen2", "Attention"): (InvariantAttention, False),
+    ("mlx_lm.models.qwen3", "Attention"): (InvariantAttention, True),
+    ("mlx_lm.models.gemma3_text", "Attention"): (InvariantAttention, True),
+    ("mlx_lm.models.deepseek_v2", "DeepseekV2Attention"): (InvariantLatentAttention, False),
 }
 
 
@@ -344,10 +338,10 @@ def invariant_attention_body(
     The probe runs once per kind of layer (``_shape_key``): a model's 18 or 30 attention
     layers are one or two kinds."""
     checked = {} if checked is None else checked
-    name = (type(module).__module__, type(module).__name__)
-    kind = KNOWN.get(name)
-    if kind is not None:
-        wrapper = WRAPPERS.get(name, InvariantAttention)(module, kind)
+    known = KNOWN.get((type(module).__module__, type(module).__name__))
+    if known is not None:
+        wrapper_class, head_norms = known
+        wrapper = wrapper_class(module, head_norms)
         try:
             key: tuple | None = _shape_key(module)
         except (AttributeError, KeyError, TypeError):  # not the layout KNOWN promises: probe it alone
