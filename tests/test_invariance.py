@@ -32,7 +32,7 @@ from kvshelf import Engine
 from kvshelf.kv.agent_cache import AgentCache
 from kvshelf.kv.record import agent_record
 from kvshelf.kv.working_set import WorkingSets
-from kvshelf.model.attention import InvariantAttention, invariant_attention, tile_rows
+from kvshelf.model.attention import InvariantAttention, invariant_attention, positions_per_call, tile_rows
 from kvshelf.model.few_rows import system_gemm
 from kvshelf.model.gemv import with_fast_linears
 from kvshelf.model.head import ProjectedModel
@@ -258,6 +258,39 @@ def test_attention_rows_do_not_depend_on_the_call(heads, kv, d):
     assert mx.array_equal(batched[1:, :, 0], one_call[:, :, p]).item()
     assert mx.array_equal(batched[:1, :, 0], one_call[:, :, width - 1]).item()
     assert tile_rows() >= 2  # the fixed-shape products hold a tile of rows in any order
+
+
+def test_a_call_too_large_for_mlx_matmul_runs_in_pieces_with_the_same_bits():
+    """MLX's batched matmul reads the wrong memory once an operand broadcast over the batch
+    passes 2**31 logical elements (``benchmarks/mlx_matmul_index_repro.py``): a 2,905-token
+    prefill of Gemma 3 270M in one call got NaN logits. So a call whose products would pass
+    the limit runs in pieces of query positions, or of batch members where one position of
+    all of them is too much, and the pieces give the whole call's bits. Here with limits
+    small enough to cut a 600-position call and a 2-member batch."""
+    assert positions_per_call(1, 1, 4, 5888, 256, 256) < 2905  # that prefill's sliding layer: cut now
+    n, heads, kv, d, scale = 600, 4, 1, 64, 0.125
+    q, k, v = _qkv(31, heads, kv, n, d)
+    whole = invariant_attention(q, k, v, scale, "causal", [0])
+    width = 768  # 600 keys from block 0, in whole blocks
+    limit = 48 * width * d  # 48 tiles of 8 rows of 4 heads: 96 positions a call
+    assert positions_per_call(1, kv, heads // kv, width, d, d, limit) == 96
+    assert mx.array_equal(invariant_attention(q, k, v, scale, "causal", [0], limit=limit), whole).item()
+    # Two agents decoding (at positions 599 and 401, left-padded): too large together, so one by one.
+    p = 401
+    pad = [(0, 0), (0, 0), (n - p - 1, 0), (0, 0)]
+    keys = mx.concatenate([k, mx.pad(k[:, :, : p + 1], pad)])
+    values = mx.concatenate([v, mx.pad(v[:, :, : p + 1], pad)])
+    col = mx.arange(n)
+    mask = mx.stack([col >= 0, col >= n - p - 1])[:, None, None, :]
+    both = mx.concatenate([q[:, :, n - 1 :], q[:, :, p : p + 1]])
+    origins = [0, p + 1 - n]
+    together = invariant_attention(both, keys, values, scale, mask, origins)
+    limit = width * d + 1  # one tile of one member fits, not of two
+    assert positions_per_call(2, kv, heads // kv, width, d, d, limit) == 0
+    assert mx.array_equal(invariant_attention(both, keys, values, scale, mask, origins, limit=limit), together).item()
+    assert mx.array_equal(together[:1, :, 0], whole[:, :, n - 1]).item()
+    with pytest.raises(ValueError, match="index limit"):
+        invariant_attention(q[:, :, :1], k, v, scale, None, [0], limit=width * d - 1)
 
 
 def test_mlx_attention_rows_depend_on_the_key_count():

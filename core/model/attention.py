@@ -55,6 +55,15 @@ from kvshelf.model.spec import BLOCK_TOKENS
 # Row tiles tried, largest first: a product of this many query rows by one key block.
 TILE_CANDIDATES = (8, 4, 2)
 
+# MLX's CPU matmul (0.32.4: mlx/backend/cpu/gemms/cblas.cpp) finds each product of a batch
+# by the logical index of its first element, passed through an ``int`` (``elem_to_loc`` in
+# mlx/backend/common/utils.h). For an operand broadcast over the batch, whose logical size is
+# the batch times each product's, that index passes 2**31 on long calls, and the products after
+# it read memory outside the operand: wrong rows, sometimes NaN (a 2,905-token prefill in one
+# call of Gemma 3 270M's 4 query heads of 256 dims hit it). ``benchmarks/mlx_matmul_index_repro.py``
+# shows it in a few lines, for upstream. So no product here passes this many logical elements.
+MLX_INDEX_LIMIT = 2**31 - 1
+
 
 @cache
 def tile_rows() -> int:
@@ -158,21 +167,75 @@ def _aligned(x: mx.array, lead: list[int], width: int, axis: int = 2) -> mx.arra
     return mx.concatenate([pad(x[b : b + 1], left) for b, left in enumerate(lead)], axis=0)
 
 
+def _width(origins: list[int], t: int) -> int:
+    """Key columns once every member's are shifted onto absolute blocks (``_aligned``)."""
+    return -(-(max(o % BLOCK_TOKENS for o in origins) + t) // BLOCK_TOKENS) * BLOCK_TOKENS
+
+
+def positions_per_call(
+    batch: int, kv: int, group: int, width: int, d: int, dv: int, limit: int = MLX_INDEX_LIMIT
+) -> int:
+    """The most query positions one call of the kernel below may take so that no product's
+    operand passes ``limit`` logical elements; 0 if not even one position fits.
+
+    A call's products broadcast the keys and the values over its tiles of query rows, which
+    comes to batch × kv × tiles × width × max(d, dv) logical elements (the query and weight
+    tiles are smaller: a tile has fewer rows than a head has dims)."""
+    tile = tile_rows()
+    tiles = limit // (batch * kv * width * max(d, dv, tile))
+    return tiles * tile // group
+
+
 def invariant_attention(
-    queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Any, origins: list[int]
+    queries: mx.array,
+    keys: mx.array,
+    values: mx.array,
+    scale: float,
+    mask: Any,
+    origins: list[int],
+    limit: int = MLX_INDEX_LIMIT,
 ) -> mx.array:
     """Attention whose rows do not depend on the other rows, columns or batch members.
 
     queries (B, heads, L, d); keys (B, kv_heads, T, d); values (B, kv_heads, T, dv);
     ``mask``: None, ``"causal"`` or booleans broadcastable to (B, 1, L, T); ``origins``:
-    the absolute position of key column 0, one per batch member (or one for all)."""
+    the absolute position of key column 0, one per batch member (or one for all).
+
+    A call too large for MLX's matmul (``MLX_INDEX_LIMIT``) runs in pieces of query
+    positions (and of batch members, if one position of all of them is too large): each
+    row is the same bits in any piece, so the pieces are the whole call's rows."""
+    b, heads, length, d = queries.shape
+    kv, t, dv = keys.shape[1], keys.shape[2], values.shape[3]
+    full = _full_mask(mask, b, length, t)
+    origins = origins * b if len(origins) == 1 else origins
+    step = positions_per_call(b, kv, heads // kv, _width(origins, t), d, dv, limit)
+    if step >= length:
+        return _attention(queries, keys, values, scale, full, origins)
+    if step == 0 and b > 1:
+        members = []
+        for m, o in enumerate(origins):
+            q, k, v, f = (x[m : m + 1] for x in (queries, keys, values, full))
+            members.append(invariant_attention(q, k, v, scale, f, [o], limit))
+        return mx.concatenate(members, axis=0)
+    if step == 0:
+        raise ValueError(f"attention over {t} keys of {kv} heads passes MLX's matmul index limit even for one query")
+    pieces = [
+        _attention(queries[:, :, p : p + step], keys, values, scale, full[:, :, p : p + step], origins)
+        for p in range(0, length, step)
+    ]
+    return mx.concatenate(pieces, axis=2)
+
+
+def _attention(
+    queries: mx.array, keys: mx.array, values: mx.array, scale: float, full: mx.array, origins: list[int]
+) -> mx.array:
+    """``invariant_attention`` in one call: ``full`` is the mask as (B, 1, L, T) booleans,
+    ``origins`` one per member."""
     b, heads, length, d = queries.shape
     kv, t, dv = keys.shape[1], keys.shape[2], values.shape[3]
     group, tile, block = heads // kv, tile_rows(), BLOCK_TOKENS
-    full = _full_mask(mask, b, length, t)
-    origins = origins * b if len(origins) == 1 else origins
     lead = [o % block for o in origins]
-    width = -(-(max(lead) + t) // block) * block
+    width = _width(origins, t)
     blocks = width // block
     keys, values, full = _aligned(keys, lead, width), _aligned(values, lead, width), _aligned(full, lead, width, 3)
     # The query heads of one KV head are the rows of one product, in tiles of ``tile`` rows.
