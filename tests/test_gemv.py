@@ -112,6 +112,23 @@ def test_blis_multiplies_by_the_transposed_weight_without_a_copy():
         gemm(x, weight.T.copy())
 
 
+@pytest.mark.parametrize(("n", "k"), [(1024, 640), (640, 2048), (262144 // 64, 640)])
+def test_a_row_through_blis_has_the_same_bits_alone_and_among_hundreds(n, k):
+    """What the shape-invariant kernels stand on, on weights larger than BLIS's size
+    thresholds: a 600-row product (a prefill chunk, cut into ``slice_rows()`` slices) gives
+    each row the bits of that row alone (a decode step) and of a few rows (a decode batch).
+    On a CPU where BLIS takes its packed kernels above 200 rows, 256-row slices broke this."""
+    gemm = system_gemm()
+    assert gemm is not None and few_rows.slice_rows() > 0
+    rng = np.random.default_rng(n + k)
+    weight, x = rng.standard_normal((n, k)).astype(np.float32), rng.standard_normal((600, k)).astype(np.float32)
+    full = gemm(x, weight)
+    for i in (0, 1, 199, 200, 201, 255, 256, 257, 599):
+        assert np.array_equal(gemm(x[i : i + 1], weight)[0], full[i]), i
+    for m in (3, 16, 201, 256, 300):
+        assert np.array_equal(gemm(x[:m], weight), full[:m]), m
+
+
 def test_blis_can_be_turned_off(monkeypatch):
     monkeypatch.setenv("KVSHELF_NO_BLIS", "1")
     assert few_rows._library() is None

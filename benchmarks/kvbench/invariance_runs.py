@@ -25,6 +25,8 @@ from typing import Any
 import numpy as np
 
 from kvbench import invariance as inv
+from kvbench.machine import cpu_model
+from kvshelf.model.few_rows import slice_rows
 
 SCRIPT = Path(__file__).resolve().parents[1] / "invariance.py"
 
@@ -109,6 +111,8 @@ def run_stages(
             pid=os.getpid(),
             wall_s=round(time.perf_counter() - t0, 1),
             kernel_probe=probe,
+            cpu=cpu_model(),
+            blis_slice_rows=slice_rows(),
             commit=commit(),
             model=model,
             load_average=list(os.getloadavg()),
@@ -185,6 +189,7 @@ def merge(run_dir: Path, index: int, options: Options) -> bool:
         "first_logits_sha256": hot["reference"]["first_logits_sha256"],
         "options": asdict(options),
         "commits": sorted({d["commit"] for d in data.values()}),
+        "cpus": sorted({d.get("cpu", "unrecorded") for d in data.values()}),
         "model": hot["model"],
         "wall_s": round(sum(d["wall_s"] for d in data.values()), 1),
         "stages": {s: {k: d[k] for k in ("pid", "wall_s", "load_average", "batches")} for s, d in data.items()},
@@ -215,8 +220,12 @@ def aggregate(run_dir: Path) -> dict:
         (json.loads(p.read_text()) for p in run_dir.glob("conv-[0-9][0-9].json")), key=lambda c: c["conversation"]
     )
     probes: dict[str, int] = {}
+    machines: dict[str, dict] = {}  # by kernel probe: the CPUs and conversations that ran those kernels
     for c in convs:
         probes[c["kernel_probe"]] = probes.get(c["kernel_probe"], 0) + 1
+        seen = machines.setdefault(c["kernel_probe"], {"cpus": set(), "conversations": []})
+        seen["cpus"].update(c.get("cpus", ["unrecorded"]))
+        seen["conversations"].append(c["conversation"])
     per_path: dict[str, dict] = {}
     divergences = []
     for c in convs:
@@ -259,6 +268,7 @@ def aggregate(run_dir: Path) -> dict:
         },
         "wall_s": {"median": float(np.median(walls)) if walls else None, "total": round(sum(walls), 1)},
         "kernel_probes": probes,
+        "machines": {k: {"cpus": sorted(v["cpus"]), "conversations": v["conversations"]} for k, v in machines.items()},
         "commits": sorted({x for c in convs for x in c["commits"]}),
         "options": options,
         "done": [c["conversation"] for c in convs],

@@ -52,6 +52,7 @@ import sys
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from functools import cache
+from typing import Any
 
 import numpy as np
 
@@ -67,9 +68,9 @@ BLIS_CANDIDATES = (
 BLIS_NO_TRANSPOSE = 0
 # Products with more rows than this are left to MLX (OpenBLAS's sgemm is fast there).
 MAX_FEW_ROWS = 16
-# BLIS sums each element in the same order for up to this many rows (its "sup" path;
-# measured: 512 rows take another), so longer products go in slices of this many rows.
-SLICE_ROWS = 256
+# Row counts one BLIS call may take, largest first: ``slice_rows`` keeps the largest that
+# this machine's BLIS computes with every row's bits independent of the others.
+SLICE_CANDIDATES = (256, 192, 128, 64, 32, 16, 8)
 
 Gemm = Callable[[np.ndarray, np.ndarray], np.ndarray]
 
@@ -129,19 +130,17 @@ def _product() -> Product | None:
         return None
     lib.bli_thread_set_num_threads.argtypes = [ctypes.c_int64]
     lib.bli_thread_set_num_threads(1)  # the threads are the column parts' (SPLIT_WORK)
-    fn = lib.bli_sgemm
-    fn.restype = None
-    dim, ptr, trans = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
-    fn.argtypes = [trans, trans, dim, dim, dim, ptr, ptr, dim, dim, ptr, dim, dim, ptr, ptr, dim, dim]
+    fn = _bound_sgemm(lib)
     one, zero = np.ones(1, dtype=np.float32), np.zeros(1, dtype=np.float32)
 
     def columns(x: np.ndarray, weight: np.ndarray, y: np.ndarray, lo: int, hi: int) -> None:
-        """Columns ``lo..hi`` of ``y`` (rows of ``weight``), SLICE_ROWS rows a call."""
+        """Columns ``lo..hi`` of ``y`` (rows of ``weight``), ``slice_rows()`` rows a call."""
         (m, k), n = x.shape, y.shape[1]
+        step = slice_rows()
         # C (m×(hi-lo), row stride n) = A (m×k, row stride k) · B (k×(hi-lo): the weight's
         # rows lo..hi, its rows and columns swapped by its strides: row stride 1, column stride k).
-        for i in range(0, m, SLICE_ROWS):
-            rows = min(SLICE_ROWS, m - i)
+        for i in range(0, m, step):
+            rows = min(step, m - i)
             fn(
                 BLIS_NO_TRANSPOSE,
                 BLIS_NO_TRANSPOSE,
@@ -162,6 +161,8 @@ def _product() -> Product | None:
             )
 
     def product(x: np.ndarray, weight: np.ndarray, parts: int) -> np.ndarray:
+        if slice_rows() == 0:
+            raise RuntimeError("BLIS's products here give no row the same bits alone and with others")
         x = np.ascontiguousarray(x, dtype=np.float32)
         weight = np.ascontiguousarray(weight, dtype=np.float32)  # a view already, never copied in practice
         (m, k), n = x.shape, weight.shape[0]
@@ -180,6 +181,89 @@ def _product() -> Product | None:
         return y
 
     return product
+
+
+@cache
+def slice_rows() -> int:
+    """The most rows one BLIS call takes here with each row's bits independent of the others
+    (0: not even ``SLICE_CANDIDATES``' smallest; BLIS is then not used for invariance).
+
+    Why measured: BLIS reduces each element over the inner dimension alone, the same for
+    any row count, only in its small-matrix ("sup") kernels, and it takes them only below a
+    size threshold of the sub-configuration it picks for the CPU at run time. On an AMD EPYC
+    (``zen3``) a 256-row product still ran them; on an AVX-512 Xeon, where BLIS 0.9 picks
+    ``haswell``, products of more than 200 rows by weights of 201 or more rows take its
+    packed kernels, whose rows round otherwise (a prefill row then differs from the same
+    row decoded alone). So a product goes in slices of the largest candidate whose rows,
+    on weights above every such threshold, equal each row computed alone and with fewer."""
+    lib = _library()
+    if lib is None:
+        return 0
+    call = _raw_call(lib)
+    rng = np.random.default_rng(3)
+    for rows in SLICE_CANDIDATES:
+        if all(_rows_independent(call, rows, n, k, rng) for n, k in ((1024, 640), (640, 2048))):
+            return rows
+    return 0
+
+
+def _rows_independent(
+    call: Callable[[np.ndarray, np.ndarray], np.ndarray], rows: int, n: int, k: int, rng: np.random.Generator
+) -> bool:
+    """An ``rows``-row product by an ``n × k`` weight gives each row the bits it has alone,
+    and the first ``m`` rows the bits of an ``m``-row product."""
+    x = rng.standard_normal((rows, k), dtype=np.float32)
+    weight = rng.standard_normal((n, k), dtype=np.float32)
+    full = call(x, weight)
+    picks = sorted({0, rows // 3, rows - 1})
+    if not all(np.array_equal(call(x[i : i + 1], weight)[0], full[i]) for i in picks):
+        return False
+    return all(
+        np.array_equal(call(x[:m], weight), full[:m]) for m in sorted({2, 7, rows // 2 + 1, rows - 1}) if 1 < m < rows
+    )
+
+
+def _raw_call(lib: ctypes.CDLL) -> Callable[[np.ndarray, np.ndarray], np.ndarray]:
+    """``x @ weight.T`` as one ``bli_sgemm`` call of all of ``x``'s rows, on one thread."""
+    fn = _bound_sgemm(lib)
+    lib.bli_thread_set_num_threads.argtypes = [ctypes.c_int64]
+    lib.bli_thread_set_num_threads(1)
+    one, zero = np.ones(1, dtype=np.float32), np.zeros(1, dtype=np.float32)
+
+    def call(x: np.ndarray, weight: np.ndarray) -> np.ndarray:
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        (m, k), n = x.shape, weight.shape[0]
+        y = np.empty((m, n), dtype=np.float32)
+        fn(
+            BLIS_NO_TRANSPOSE,
+            BLIS_NO_TRANSPOSE,
+            m,
+            n,
+            k,
+            one.ctypes.data,
+            x.ctypes.data,
+            k,
+            1,
+            weight.ctypes.data,
+            1,
+            k,
+            zero.ctypes.data,
+            y.ctypes.data,
+            n,
+            1,
+        )
+        return y
+
+    return call
+
+
+def _bound_sgemm(lib: ctypes.CDLL) -> Any:
+    """``bli_sgemm`` with its argument types set."""
+    fn = lib.bli_sgemm
+    fn.restype = None
+    dim, ptr, trans = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+    fn.argtypes = [trans, trans, dim, dim, dim, ptr, ptr, dim, dim, ptr, dim, dim, ptr, ptr, dim, dim]
+    return fn
 
 
 @cache
