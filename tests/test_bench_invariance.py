@@ -101,6 +101,12 @@ def test_the_section_pools_the_run(measured):
         and summary["tokens"]["max"] == 500 + 2 * invariance.REPLY
     )
     assert len(summary["kernel_probes"]) == 1
+    # which CPU ran those kernels (the bits are the CPU's: BLIS and OpenBLAS pick kernels by it)
+    from kvbench.machine import cpu_model
+
+    ((probe, machine),) = summary["machines"].items()
+    assert probe in summary["kernel_probes"] and sorted(machine["conversations"]) == [0, 1]
+    assert machine["cpus"] == [cpu_model()] and probe[:8] in result["description"]
     cost = summary["cost"]
     assert cost[invariance.CURRENT]["decode_ms_median"] > 0
     assert "prefill_cost_pct" in cost[invariance.ATTENTION_ONLY]

@@ -464,6 +464,16 @@ def section(agg: dict) -> dict:
         f"({agg['identical_share']:.0%}); largest |dlogit| {agg['largest_abs_dlogit']}; "
         f"{len(agg['divergences'])} divergences."
     )
+    machines = agg.get("machines") or {}
+    if machines:
+        description += (
+            " Each conversation ran all its paths with one set of kernels (kernel probe): "
+            + "; ".join(
+                f"{probe[:8]} on {', '.join(m['cpus'])}, {len(m['conversations'])} conversations"
+                for probe, m in machines.items()
+            )
+            + "."
+        )
     return {"title": TITLE, "description": description, "summary": agg, "table": table}
 
 
