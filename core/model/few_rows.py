@@ -52,7 +52,6 @@ import sys
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from functools import cache
-from typing import Any
 
 import numpy as np
 
@@ -121,22 +120,26 @@ def _pool(threads: int) -> ThreadPoolExecutor:
 Product = Callable[[np.ndarray, np.ndarray, int], np.ndarray]
 
 
+Columns = Callable[[np.ndarray, np.ndarray, np.ndarray, int, int, int], None]
+
+
 @cache
-def _product() -> Product | None:
-    """``(x, weight, parts) -> x @ weight.T`` through BLIS, in at most ``parts`` column parts
-    run side by side, or None if no BLIS is installed."""
+def _columns() -> Columns | None:
+    """``(x, weight, y, lo, hi, step)``: columns ``lo..hi`` of ``y = x @ weight.T`` through
+    ``bli_sgemm`` on this thread, ``step`` rows a call; None if no BLIS is installed."""
     lib = _library()
     if lib is None:
         return None
     lib.bli_thread_set_num_threads.argtypes = [ctypes.c_int64]
     lib.bli_thread_set_num_threads(1)  # the threads are the column parts' (SPLIT_WORK)
-    fn = _bound_sgemm(lib)
+    fn = lib.bli_sgemm
+    fn.restype = None
+    dim, ptr, trans = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+    fn.argtypes = [trans, trans, dim, dim, dim, ptr, ptr, dim, dim, ptr, dim, dim, ptr, ptr, dim, dim]
     one, zero = np.ones(1, dtype=np.float32), np.zeros(1, dtype=np.float32)
 
-    def columns(x: np.ndarray, weight: np.ndarray, y: np.ndarray, lo: int, hi: int) -> None:
-        """Columns ``lo..hi`` of ``y`` (rows of ``weight``), ``slice_rows()`` rows a call."""
+    def columns(x: np.ndarray, weight: np.ndarray, y: np.ndarray, lo: int, hi: int, step: int) -> None:
         (m, k), n = x.shape, y.shape[1]
-        step = slice_rows()
         # C (m×(hi-lo), row stride n) = A (m×k, row stride k) · B (k×(hi-lo): the weight's
         # rows lo..hi, its rows and columns swapped by its strides: row stride 1, column stride k).
         for i in range(0, m, step):
@@ -160,33 +163,14 @@ def _product() -> Product | None:
                 1,
             )
 
-    def product(x: np.ndarray, weight: np.ndarray, parts: int) -> np.ndarray:
-        if slice_rows() == 0:
-            raise RuntimeError("BLIS's products here give no row the same bits alone and with others")
-        x = np.ascontiguousarray(x, dtype=np.float32)
-        weight = np.ascontiguousarray(weight, dtype=np.float32)  # a view already, never copied in practice
-        (m, k), n = x.shape, weight.shape[0]
-        if weight.shape != (n, k):
-            raise ValueError(f"gemm: {x.shape} @ {weight.shape}.T")
-        y = np.empty((m, n), dtype=np.float32)
-        cuts = _column_cuts(n, parts)
-        if len(cuts) <= 2:
-            columns(x, weight, y, 0, n)
-        else:
-            spans = list(zip(cuts, cuts[1:]))
-            done = [_pool(parts).submit(columns, x, weight, y, lo, hi) for lo, hi in spans[1:]]
-            columns(x, weight, y, *spans[0])
-            for f in done:
-                f.result()
-        return y
-
-    return product
+    return columns
 
 
 @cache
 def slice_rows() -> int:
-    """The most rows one BLIS call takes here with each row's bits independent of the others
-    (0: not even ``SLICE_CANDIDATES``' smallest; BLIS is then not used for invariance).
+    """The most rows one BLIS call takes here with each row's bits independent of the others;
+    0 if no BLIS is installed or not even ``SLICE_CANDIDATES``' smallest holds (then BLIS is
+    not used: ``system_gemm`` is None).
 
     Why measured: BLIS reduces each element over the inner dimension alone, the same for
     any row count, only in its small-matrix ("sup") kernels, and it takes them only below a
@@ -196,13 +180,18 @@ def slice_rows() -> int:
     packed kernels, whose rows round otherwise (a prefill row then differs from the same
     row decoded alone). So a product goes in slices of the largest candidate whose rows,
     on weights above every such threshold, equal each row computed alone and with fewer."""
-    lib = _library()
-    if lib is None:
+    columns = _columns()
+    if columns is None:
         return 0
-    call = _raw_call(lib)
+
+    def one_call(x: np.ndarray, weight: np.ndarray) -> np.ndarray:
+        y = np.empty((x.shape[0], weight.shape[0]), dtype=np.float32)
+        columns(np.ascontiguousarray(x), weight, y, 0, weight.shape[0], x.shape[0])
+        return y
+
     rng = np.random.default_rng(3)
     for rows in SLICE_CANDIDATES:
-        if all(_rows_independent(call, rows, n, k, rng) for n, k in ((1024, 640), (640, 2048))):
+        if all(_rows_independent(one_call, rows, n, k, rng) for n, k in ((1024, 640), (640, 2048))):
             return rows
     return 0
 
@@ -223,53 +212,41 @@ def _rows_independent(
     )
 
 
-def _raw_call(lib: ctypes.CDLL) -> Callable[[np.ndarray, np.ndarray], np.ndarray]:
-    """``x @ weight.T`` as one ``bli_sgemm`` call of all of ``x``'s rows, on one thread."""
-    fn = _bound_sgemm(lib)
-    lib.bli_thread_set_num_threads.argtypes = [ctypes.c_int64]
-    lib.bli_thread_set_num_threads(1)
-    one, zero = np.ones(1, dtype=np.float32), np.zeros(1, dtype=np.float32)
+@cache
+def _product() -> Product | None:
+    """``(x, weight, parts) -> x @ weight.T`` through BLIS, in at most ``parts`` column parts
+    run side by side, ``slice_rows()`` rows a call; None if BLIS is not installed or keeps
+    no row's bits (``slice_rows`` 0)."""
+    columns, step = _columns(), slice_rows()
+    if columns is None or step == 0:
+        return None
 
-    def call(x: np.ndarray, weight: np.ndarray) -> np.ndarray:
+    def product(x: np.ndarray, weight: np.ndarray, parts: int) -> np.ndarray:
         x = np.ascontiguousarray(x, dtype=np.float32)
+        weight = np.ascontiguousarray(weight, dtype=np.float32)  # a view already, never copied in practice
         (m, k), n = x.shape, weight.shape[0]
+        if weight.shape != (n, k):
+            raise ValueError(f"gemm: {x.shape} @ {weight.shape}.T")
         y = np.empty((m, n), dtype=np.float32)
-        fn(
-            BLIS_NO_TRANSPOSE,
-            BLIS_NO_TRANSPOSE,
-            m,
-            n,
-            k,
-            one.ctypes.data,
-            x.ctypes.data,
-            k,
-            1,
-            weight.ctypes.data,
-            1,
-            k,
-            zero.ctypes.data,
-            y.ctypes.data,
-            n,
-            1,
-        )
+        cuts = _column_cuts(n, parts)
+        if len(cuts) <= 2:
+            columns(x, weight, y, 0, n, step)
+        else:
+            spans = list(zip(cuts, cuts[1:]))
+            done = [_pool(parts).submit(columns, x, weight, y, lo, hi, step) for lo, hi in spans[1:]]
+            columns(x, weight, y, *spans[0], step)
+            for f in done:
+                f.result()
         return y
 
-    return call
-
-
-def _bound_sgemm(lib: ctypes.CDLL) -> Any:
-    """``bli_sgemm`` with its argument types set."""
-    fn = lib.bli_sgemm
-    fn.restype = None
-    dim, ptr, trans = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
-    fn.argtypes = [trans, trans, dim, dim, dim, ptr, ptr, dim, dim, ptr, dim, dim, ptr, ptr, dim, dim]
-    return fn
+    return product
 
 
 @cache
 def system_gemm() -> Gemm | None:
     """``y = x @ weight.T`` (``x``: rows × k, ``weight``: n × k, both fp32 C-contiguous)
-    through BLIS's ``bli_sgemm``, or None if no BLIS is installed. A large product runs in
+    through BLIS's ``bli_sgemm``, or None if no BLIS is installed (or it keeps no row's bits:
+    ``slice_rows``). A large product runs in
     column parts, one per thread (``SPLIT_WORK``)."""
     product = _product()
     if product is None:
@@ -287,7 +264,7 @@ def gemm_uncut(x: np.ndarray, weight: np.ndarray) -> np.ndarray:
     """``system_gemm``'s product as one BLIS call on this thread (what the cut one must equal)."""
     product = _product()
     if product is None:
-        raise RuntimeError("BLIS is not installed")
+        raise RuntimeError("BLIS is not installed, or keeps no row's bits (slice_rows)")
     return product(x, weight, 1)
 
 
