@@ -45,7 +45,8 @@ from kvshelf.kv.agent_cache import AgentCache
 from kvshelf.kv.schemes import DEFAULT_SCHEME, SCHEMES
 from kvshelf.kv.working_set import WorkingSets
 from kvshelf.model import few_rows
-from kvshelf.model.head import ProjectedModel, buffer_view, system_sgemv
+from kvshelf.model.head import ProjectedModel, buffer_view
+from kvshelf.model.sgemv import system_sgemv
 from kvshelf.model.spec import ModelCacheSpec
 
 

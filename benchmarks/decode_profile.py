@@ -46,7 +46,8 @@ from kvshelf.kv.agent_cache import AgentCache
 from kvshelf.kv.schemes import DEFAULT_SCHEME, SCHEMES
 from kvshelf.kv.working_set import WorkingSets
 from kvshelf.model.gemv import with_fast_linears
-from kvshelf.model.head import buffer_view, system_sgemv, with_fast_head
+from kvshelf.model.head import buffer_view, with_fast_head
+from kvshelf.model.sgemv import system_sgemv
 from kvshelf.model.spec import ModelCacheSpec
 
 

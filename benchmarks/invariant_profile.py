@@ -1,13 +1,14 @@
 """Where the shape-invariant kernels spend their time: a ~1K-token prefill and decode steps at 1K.
 
-``LoadedModel.greedy_forward`` sends every projection through BLIS (``kvshelf.model.few_rows``)
-and every attention through ``kvshelf.model.attention``. Each BLIS call hands MLX's array to
+``LoadedModel.greedy_forward`` sends every row of every projection through its own sgemv
+(``kvshelf.model.sgemv.each_row``; until 2026-12-02 BLIS's product, ``kvshelf.model.few_rows``)
+and every attention through ``kvshelf.model.attention``. Each product hands MLX's array to
 numpy, so MLX evaluates the graph up to it: the wall time of a forward splits into the
-BLIS calls themselves (by projection) and the MLX work between two calls (by the
+products themselves (by projection; the head's is not clocked) and the MLX work between two calls (by the
 projection that waits on it: before ``o_proj`` that is RoPE, the cache update and
 attention; before ``q_proj`` the norms and residuals; before ``down_proj`` the MLP's
 activation; before the head the last norm). Printed beside the default kernels, the
-attention-only and BLIS-only forwards, for the embedded Gemma 3 and the 30-layer llama.
+attention-only and projections-only forwards, for the embedded Gemma 3 and the 30-layer llama.
 
     python benchmarks/invariant_profile.py [--models embedded,llama30] [--tokens 1010] [--steps 8]
 
@@ -21,6 +22,7 @@ import os
 import time
 from collections import defaultdict
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import kvshelf  # noqa: F401  (preloads OpenBLAS, which must come before mlx)
@@ -34,9 +36,9 @@ from decode import build_model
 from kvbench.invariance import decode, prefill
 from kvshelf.kv.agent_cache import AgentCache
 from kvshelf.model.attention import invariant_attention_body
-from kvshelf.model.few_rows import system_gemm
 from kvshelf.model.gemv import gemv_body, with_fast_linears
-from kvshelf.model.head import ProjectedModel, system_sgemv, with_fast_head
+from kvshelf.model.head import ProjectedModel, with_fast_head
+from kvshelf.model.sgemv import each_row, system_sgemv
 from kvshelf.model.spec import ModelCacheSpec
 
 
@@ -48,18 +50,21 @@ class Bare:
 
 
 class Clock:
-    """A BLIS gemm that books its own time and the time since the previous call returned."""
+    """The shape-invariant product (``each_row``) that books its own time and the time since
+    the previous call returned."""
 
     def __init__(self, names: dict[int, str]) -> None:
         self.names = names
-        self.gemm = system_gemm()
-        self.blis: dict[str, float] = defaultdict(float)
+        sgemv = system_sgemv()
+        assert sgemv is not None
+        self.gemm = partial(each_row, sgemv)
+        self.product: dict[str, float] = defaultdict(float)
         self.before: dict[str, float] = defaultdict(float)
         self.calls = 0
         self.last: float | None = None
 
     def reset(self) -> None:
-        self.blis.clear()
+        self.product.clear()
         self.before.clear()
         self.calls = 0
         self.last = None
@@ -69,10 +74,9 @@ class Clock:
         name = self.names.get(weight.ctypes.data, "head")
         if self.last is not None:
             self.before[name] += t0 - self.last
-        assert self.gemm is not None
         y = self.gemm(x, weight)
         t1 = time.perf_counter()
-        self.blis[name] += t1 - t0
+        self.product[name] += t1 - t0
         self.calls += 1
         self.last = t1
         return y
@@ -92,7 +96,7 @@ def clocked_forward(model: Any, clock: Clock) -> ProjectedModel:
     sgemv = system_sgemv()
     assert isinstance(fast, ProjectedModel) and sgemv is not None
     body = invariant_attention_body(gemv_body(model.model, sgemv, clock, all_rows=True))
-    return ProjectedModel(model, fast._project, fast._head, sgemv, body=body, gemm=clock, all_rows=True)
+    return ProjectedModel(model, fast._project, fast._head, sgemv, body=body, all_rows=True)
 
 
 def prompt_for(name: str, model: Any, tokens: int) -> list[int]:
@@ -107,7 +111,7 @@ def profile(name: str, tokens: int, steps: int, only: list[str] | None = None) -
     variants = {
         "default": with_fast_linears(model),
         "attention only": with_fast_linears(model, all_rows=False, attention=True),
-        "blis only": with_fast_linears(model, all_rows=True, attention=False),
+        "projections only": with_fast_linears(model, all_rows=True, attention=False),
         "invariant": with_fast_linears(model, all_rows=True, attention=True),
     }
     clock = Clock(weight_names(model))
@@ -123,24 +127,24 @@ def profile(name: str, tokens: int, steps: int, only: list[str] | None = None) -
             t0 = time.perf_counter()
             first = prefill(bare, cache, prompt, 256)
             p = time.perf_counter() - t0
-            pre = (dict(clock.blis), dict(clock.before), clock.calls)
+            pre = (dict(clock.product), dict(clock.before), clock.calls)
             clock.reset()
             _, _, ms = decode(bare, [cache], [first], steps + 1)
-            dec = (dict(clock.blis), dict(clock.before), clock.calls)
+            dec = (dict(clock.product), dict(clock.before), clock.calls)
             row = out.setdefault(key, {"prefill_s": [], "decode_ms": []})
             row["prefill_s"].append(round(p, 3))
             row["decode_ms"].append(round(ms, 1))
             if key.endswith("clocked"):
-                row["prefill_blis_ms"] = {k: round(v * 1e3, 1) for k, v in pre[0].items()}
+                row["prefill_product_ms"] = {k: round(v * 1e3, 1) for k, v in pre[0].items()}
                 row["prefill_mlx_before_ms"] = {k: round(v * 1e3, 1) for k, v in pre[1].items()}
-                row["prefill_blis_calls"] = pre[2]
-                row["decode_blis_ms_per_step"] = {k: round(v * 1e3 / steps, 2) for k, v in dec[0].items()}
+                row["prefill_product_calls"] = pre[2]
+                row["decode_product_ms_per_step"] = {k: round(v * 1e3 / steps, 2) for k, v in dec[0].items()}
                 row["decode_mlx_before_ms_per_step"] = {k: round(v * 1e3 / steps, 2) for k, v in dec[1].items()}
-                row["decode_blis_calls_per_step"] = dec[2] / steps
+                row["decode_product_calls_per_step"] = dec[2] / steps
     for key, row in out.items():
         print(f"{name} {key}: prefill {row['prefill_s']} s, decode {row['decode_ms']} ms/step")
-        pieces: tuple[str, ...] = ("prefill_blis_ms", "prefill_mlx_before_ms")
-        pieces += ("decode_blis_ms_per_step", "decode_mlx_before_ms_per_step")
+        pieces: tuple[str, ...] = ("prefill_product_ms", "prefill_mlx_before_ms")
+        pieces += ("decode_product_ms_per_step", "decode_mlx_before_ms_per_step")
         for k in pieces:
             if k in row:
                 print(f"   {k}: {row[k]} (sum {sum(row[k].values()):.1f})")

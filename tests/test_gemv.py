@@ -81,15 +81,17 @@ def test_few_rows_are_within_the_bound_and_more_are_bit_identical(kind, models):
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_a_batch_of_agents_projects_through_blis_within_the_bound(kind, models):
+def test_a_batch_of_agents_gets_the_logits_each_would_get_alone(kind, models):
+    """A decode step's head rows each go through sgemv: an agent's logits in a batch of 14 are
+    its batch-1 logits bit for bit, and within the fp32 bound of MLX's own product."""
     loaded = models[kind]
-    fast = with_fast_linears(loaded.model, batches=True)  # off by default (kvshelf.model.few_rows)
-    assert isinstance(fast, ProjectedModel)
-    assert fast._gemm is not None  # BLIS is installed where these tests run (libblis4-pthread)
-    assert fast_of(loaded)._gemm is None  # the engine's default: a batch's rows stay MLX's
+    fast = fast_of(loaded)
     hidden = loaded.model.model(mx.array([PROMPT]))[0][:, None]  # 14 positions as 14 agents
+    assert hidden.shape[0] <= MAX_FEW_ROWS
     got, own = np.asarray(fast.project(hidden)), np.asarray(fast._project(hidden))
     assert got.shape == own.shape and within_bound(got, own, fast.weight_view(), np.asarray(hidden))
+    for b in (0, 5, 13):
+        assert np.array_equal(np.asarray(fast.project(hidden[b : b + 1])), got[b : b + 1]), b
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -155,7 +157,7 @@ def test_a_quantized_model_keeps_its_own_layers(tiny_dirs):
 
 def test_a_layer_with_a_bias_keeps_its_own_call():
     from kvshelf.model.gemv import gemv_body
-    from kvshelf.model.head import system_sgemv
+    from kvshelf.model.sgemv import system_sgemv
 
     sgemv = system_sgemv()
     assert sgemv is not None  # as every test of the fast head, this needs the system OpenBLAS

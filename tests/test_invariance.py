@@ -33,10 +33,10 @@ from kvshelf.kv.agent_cache import AgentCache
 from kvshelf.kv.record import agent_record
 from kvshelf.kv.working_set import WorkingSets
 from kvshelf.model.attention import InvariantAttention, invariant_attention, positions_per_call, tile_rows
-from kvshelf.model.few_rows import system_gemm
 from kvshelf.model.gemv import with_fast_linears
 from kvshelf.model.head import ProjectedModel
 from kvshelf.model.loader import load
+from kvshelf.model.sgemv import system_sgemv
 from tests.support.tiny import make_tiny_model_dir
 
 KINDS = ["llama", "gemma3_text"]
@@ -305,10 +305,10 @@ def test_mlx_attention_rows_depend_on_the_key_count():
     assert any(not mx.array_equal(r[:, :, 0], whole[:, :, p]).item() for r, p in zip(rows, (300, 401, 699)))
 
 
-@pytest.mark.skipif(system_gemm() is None, reason="BLIS (libblis4-pthread) is not installed")
+@pytest.mark.skipif(system_sgemv() is None, reason="no OpenBLAS loaded (libopenblas0-pthread)")
 @pytest.mark.parametrize("kind", [*KINDS, "deepseek_v2"])  # with DeepSeek-V2's latent attention
 def test_shape_invariant_logits_of_a_row_are_the_same_in_any_chunk_and_batch(tiny_dirs, kind):
-    """With the switch on (every projection through BLIS, every attention invariant), a
+    """With the switch on (each row of every projection its own sgemv, every attention invariant), a
     token's logits through the 4-bit cache are the same bits in one 600-token call, in
     64-token chunks, as a 1-token decode step, and decoded in a batch with another agent
     through the decode working set: not only the same greedy token."""
@@ -316,7 +316,7 @@ def test_shape_invariant_logits_of_a_row_are_the_same_in_any_chunk_and_batch(tin
     assert_rows_invariant(loaded, np.random.default_rng(8).integers(0, 128, 600).tolist())
 
 
-@pytest.mark.skipif(system_gemm() is None, reason="BLIS (libblis4-pthread) is not installed")
+@pytest.mark.skipif(system_sgemv() is None, reason="no OpenBLAS loaded (libopenblas0-pthread)")
 def test_shape_invariant_logits_hold_on_the_embedded_models_real_shapes(embedded_loaded):
     """The same on Gemma 3 270M, whose projections (640 wide, up to 262,144 rows) are larger
     than the size thresholds at which BLIS and OpenBLAS change kernels; the tiny models'

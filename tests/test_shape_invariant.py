@@ -1,7 +1,7 @@
-"""Shape-invariant kernels (``kvshelf.model.gemv.SHAPE_INVARIANT``): with every projection's
-rows through BLIS, a row's result does not depend on how many rows were computed with it
-(a decode batch of any size, a prefill chunk of any length), bit for bit; MLX's own
-matmul (OpenBLAS) is the counter-example it fixes."""
+"""Shape-invariant kernels (``kvshelf.model.gemv.SHAPE_INVARIANT``): with each row of every
+projection its own sgemv (``kvshelf.model.sgemv.each_row``), a row's result does not depend
+on how many rows were computed with it (a decode batch of any size, a prefill chunk of any
+length), bit for bit; MLX's own matmul (OpenBLAS's sgemm) is the counter-example it fixes."""
 
 from __future__ import annotations
 
@@ -13,8 +13,9 @@ from kvshelf.model.few_rows import system_gemm
 from kvshelf.model.gemv import GemvLinear, with_fast_linears
 from kvshelf.model.head import ProjectedModel
 from kvshelf.model.loader import load
+from kvshelf.model.sgemv import block_rows, each_row, system_sgemv
 
-pytestmark = pytest.mark.skipif(system_gemm() is None, reason="BLIS (libblis4-pthread) is not installed")
+pytestmark = pytest.mark.skipif(system_sgemv() is None, reason="no OpenBLAS loaded (libopenblas0-pthread)")
 
 ROWS = [1, 2, 3, 8, 16, 17, 48, 256, 300, 600]
 
@@ -42,6 +43,8 @@ def test_a_row_is_the_same_in_any_number_of_rows(tiny_dirs, kind):
     batch = np.array(fast.project(hidden))
     for b in range(8):
         assert np.array_equal(np.array(fast.project(hidden[b : b + 1])), batch[b : b + 1])
+        # each row of the head is its own sgemv: the very logits a batch-1 decode step gets
+        assert np.array_equal(np.array(fast.gemv(hidden[b, 0])), batch[b, 0])
 
 
 def test_mlx_matmul_rows_depend_on_the_row_count(tiny_dirs):
@@ -54,6 +57,42 @@ def test_mlx_matmul_rows_depend_on_the_row_count(tiny_dirs):
     assert any(not np.array_equal(np.array(x[:n] @ w.T)[0], one) for n in (16, 32, 48, 300))
 
 
+def test_each_rows_product_is_one_sgemv_a_row_wherever_the_row_lies():
+    """``each_row`` gives every row sgemv's bits for that row alone, also for rows that lie at
+    addresses no multiple of the vector width (a view one float into a buffer)."""
+    sgemv = system_sgemv()
+    assert sgemv is not None
+    rng = np.random.default_rng(12)
+    for n, k in ((2048, 640), (576, 1536), (300, 100)):
+        w = rng.standard_normal((n, k)).astype(np.float32)
+        buffer = rng.standard_normal(5 * k + 1).astype(np.float32)
+        shifted = buffer[1:].reshape(5, k)  # rows 4 bytes past an allocation's alignment
+        got = each_row(sgemv, shifted, w)
+        assert got.shape == (5, n)
+        for i in range(5):
+            assert np.array_equal(got[i], sgemv(w, np.ascontiguousarray(shifted[i]))), (n, k, i)
+            assert np.array_equal(got[i], each_row(sgemv, shifted[i : i + 1], w)[0])
+    with pytest.raises(ValueError, match="each_row"):
+        each_row(sgemv, shifted, rng.standard_normal((8, 7)).astype(np.float32))
+
+
+def test_a_weight_larger_than_a_block_gives_each_row_the_bits_of_one_sgemv():
+    """A weight of more rows than ``block_rows`` (a head) is multiplied block by block where
+    that was measured to give one sgemv's bits; with a whole number of blocks and with a
+    ragged last one, every row equals that row's sgemv over the whole weight."""
+    sgemv = system_sgemv()
+    assert sgemv is not None
+    rng = np.random.default_rng(13)
+    k = 640
+    for n in (4 * block_rows(k), 3 * block_rows(k) + 100):
+        w = rng.standard_normal((n, k)).astype(np.float32)
+        x = rng.standard_normal((6, k)).astype(np.float32)
+        got = each_row(sgemv, x, w)
+        for i in range(6):
+            assert np.array_equal(got[i], sgemv(w, x[i])), (n, i)
+
+
+@pytest.mark.skipif(system_gemm() is None, reason="BLIS (libblis4-pthread) is not installed")
 def test_a_product_cut_into_column_parts_is_one_blis_call():
     """A large product runs in column parts, one per core, each a single-threaded BLIS call:
     its bits are those of one uncut call (cuts on multiples of 64 columns, shapes below and

@@ -22,7 +22,8 @@ from mlx.utils import tree_flatten
 
 from kvshelf.kv.batch import batch_views
 from kvshelf.kv.working_set import WorkingSets
-from kvshelf.model.head import ProjectedModel, buffer_view, system_sgemv
+from kvshelf.model.head import ProjectedModel, buffer_view
+from kvshelf.model.sgemv import system_sgemv
 from kvshelf.model.spec import ModelCacheSpec
 
 FILL_CHUNK = 1024

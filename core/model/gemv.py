@@ -28,8 +28,7 @@ where no two logits are within that rounding.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
-from functools import cache
+from functools import cache, partial
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -37,11 +36,10 @@ import numpy as np
 
 from kvshelf.model.attention import invariant_attention_body
 from kvshelf.model.few_rows import MAX_FEW_ROWS, Gemm, batches_through_blis, gemm_uncut, system_gemm
-from kvshelf.model.head import ProjectedModel, buffer_view, dot_error_bound, system_sgemv, with_fast_head
+from kvshelf.model.head import ProjectedModel, buffer_view, dot_error_bound, with_fast_head
 from kvshelf.model.module_tree import with_children
+from kvshelf.model.sgemv import Sgemv, each_row, system_sgemv
 from kvshelf.switches import ON
-
-Sgemv = Callable[[np.ndarray, np.ndarray], np.ndarray]
 
 # Whether a batch-1 call's layer projections go to sgemv too. Off: measured alone they
 # take half of MLX's time (19.2 against 38.5 ms on the embedded Gemma 3), but each call
@@ -51,14 +49,18 @@ Sgemv = Callable[[np.ndarray, np.ndarray], np.ndarray]
 # products save more per call than a sync costs.
 ONE_ROW_SGEMV = False
 
-# Whether every projection, of any number of rows (a decode step of 1..16 agents, a prefill
-# chunk), runs through BLIS. BLIS sums each output element in the same order whatever the
-# row count (checked at load: a row of a product of up to 600 rows equals that row alone, bit
-# for bit), where OpenBLAS picks another kernel by shape (a row of a 16-, 32- or 48-row
-# product differs from the 1-row one in the last bits, and MLX's matmuls are OpenBLAS's).
+# Whether every projection (the layers' and the head's), of any number of rows (a decode step
+# of 1..16 agents, a prefill chunk), runs as one sgemv per row (``kvshelf.model.head.each_row``),
+# so that a row's bits are those of that row alone (checked at load: a row of a product of up
+# to 600 rows equals that row alone, bit for bit), where OpenBLAS's sgemm picks another kernel
+# by shape (a row of a 16-, 32- or 48-row product differs from the 1-row one in the last bits,
+# and MLX's matmuls are OpenBLAS's). Until 2026-12-02 these rows went through BLIS's
+# small-matrix product, which is row-invariant too but computes a decode step's 1-6 rows as
+# slowly as six (``each_row`` has the figures).
 # So a token's K/V and logits no longer depend on how many rows were computed with it;
-# what still does is attention (MLX's kernels, ~2e-7). Off by default (see
-# benchmarks/invariance.py for what it changes and costs); ``KVSHELF_SHAPE_INVARIANT=1``
+# what still does is attention (MLX's kernels, ~2e-7): ``kvshelf.model.attention``. Off by
+# default for sampling (see benchmarks/invariance.py for what it changes and costs);
+# ``KVSHELF_SHAPE_INVARIANT=1``
 # turns it on for the models loaded afterwards.
 _SWITCH = os.environ.get("KVSHELF_SHAPE_INVARIANT", "").lower()
 SHAPE_INVARIANT = _SWITCH in ON
@@ -71,8 +73,9 @@ GREEDY_INVARIANT = _SWITCH not in ("0", "false", "no")
 
 class GemvLinear(nn.Module):
     """An ``nn.Linear`` (no bias, fp32) whose one-row calls run as ``cblas_sgemv`` and,
-    where BLIS is installed, calls of 2..``MAX_FEW_ROWS`` rows (a decode batch) through
-    its skinny-matrix product (``kvshelf.model.few_rows``).
+    given a product ``gemm``, calls of 2..``MAX_FEW_ROWS`` rows (a decode batch) through it
+    (BLIS's skinny-matrix product, ``kvshelf.model.few_rows``), or, ``all_rows``, calls of
+    any number of rows (the shape-invariant kernels: ``gemm`` is then ``each_row``'s).
 
     The wrapped layer is a child, so its weight is this module's parameter too (shared,
     not copied): weights loaded into the model later are the ones used."""
@@ -85,7 +88,7 @@ class GemvLinear(nn.Module):
         self._sgemv = sgemv
         self._gemm = gemm
         self._one_row = one_row  # send a single row to sgemv (else MLX's own call)
-        self._all_rows = all_rows and gemm is not None  # every row count through BLIS (SHAPE_INVARIANT)
+        self._all_rows = all_rows and gemm is not None  # every row count through gemm (SHAPE_INVARIANT)
 
     def gemv(self, x: mx.array) -> mx.array:
         """``x @ W.T`` for one row ``x`` (any leading shape of size 1) through sgemv."""
@@ -94,7 +97,7 @@ class GemvLinear(nn.Module):
         return mx.array(y).reshape(*x.shape[:-1], weight.shape[0])
 
     def few_rows(self, x: mx.array) -> mx.array:
-        """``x @ W.T`` for a few rows through BLIS."""
+        """``x @ W.T`` for several rows through ``gemm``."""
         assert self._gemm is not None
         weight = buffer_view(self.linear["weight"])
         y = self._gemm(buffer_view(x.astype(mx.float32)).reshape(-1, x.shape[-1]), weight)
@@ -185,7 +188,9 @@ def with_fast_linears(
     head: nn.Module | ProjectedModel | None = None,
 ) -> nn.Module | ProjectedModel:
     """``with_fast_head(model)`` whose body also runs its batch-1 projections through sgemv
-    (``one_row``) and a decode batch's through BLIS (``batches``; None: ``few_rows``'s default).
+    (``one_row``) and a decode batch's through BLIS (``batches``; None: ``few_rows``'s default),
+    or (``all_rows``, None: ``SHAPE_INVARIANT``) every row of every projection as its own
+    sgemv (``kvshelf.model.head.each_row``: a row's bits independent of the others).
     ``attention`` (None: ``SHAPE_INVARIANT``): every attention module of a known shape runs
     ``kvshelf.model.attention.invariant_attention`` (rows independent of the call's shape,
     each KV head read once for its query heads).
@@ -200,13 +205,15 @@ def with_fast_linears(
     if not isinstance(fast, ProjectedModel) or sgemv is None:
         return fast
     invariant = SHAPE_INVARIANT if attention is None else attention
-    gemm = system_gemm()
-    if gemm is not None and not _split_invariant(gemm):  # column parts not the one call's bits: one call
-        gemm = gemm_uncut
-    all_rows = (SHAPE_INVARIANT if all_rows is None else all_rows) and gemm is not None and _row_invariant(gemm)
-    # a decode batch's rows through BLIS only when asked (kvshelf.model.few_rows says why)
-    if not all_rows and not (batches_through_blis() if batches is None else batches):
-        gemm = None
+    gemm: Gemm | None = None
+    all_rows = (SHAPE_INVARIANT if all_rows is None else all_rows) and _rows_invariant()
+    if all_rows:
+        gemm = partial(each_row, sgemv)
+    elif batches_through_blis() if batches is None else batches:
+        # a decode batch's rows through BLIS only when asked (kvshelf.model.few_rows says why)
+        gemm = system_gemm()
+        if gemm is not None and not _split_invariant(gemm):  # column parts not the one call's bits: one call
+            gemm = gemm_uncut
     wrapped: list[GemvLinear] = []
     body = gemv_body(model.model, sgemv, gemm, wrapped, one_row, all_rows)
     if not wrapped:
@@ -214,21 +221,19 @@ def with_fast_linears(
     probe = mx.array([[(5 * i + 3) % 97 for i in range(MAX_FEW_ROWS + 1)]])
     try:
         got, own = body(probe), model.model(probe)
-        # every row through MLX in both, else (all rows through BLIS) the same up to rounding
+        # every row through MLX in both, else (all rows through sgemv) the same up to rounding
         same = (mx.allclose(got, own, rtol=1e-3, atol=1e-3) if all_rows else mx.array_equal(got, own)).item()
     except Exception:  # a body whose copy cannot be called: keep the model's own
         return fast
     if not same:
         return _with_attention(fast, invariant)
-    head_gemm = gemm if gemm is not None and _head_agrees(fast, gemm) else None
     return ProjectedModel(
         model,
         fast._project,
         fast._head,
         sgemv,
         body=invariant_attention_body(body) if invariant else body,
-        gemm=head_gemm,
-        all_rows=all_rows and head_gemm is not None,
+        all_rows=all_rows,
     )
 
 
@@ -250,10 +255,16 @@ def _with_attention(fast: ProjectedModel, invariant: bool) -> ProjectedModel:
 
 
 @cache
-def _row_invariant(gemm: Gemm) -> bool:
-    """A row of BLIS's product does not depend on how many rows come with it (checked up
-    to 600 rows, which ``few_rows`` cuts into slices, on a weight of more rows than any
-    BLIS size threshold: below one, every product is small to BLIS and proves nothing)."""
+def _rows_invariant() -> bool:
+    """A row of ``each_row``'s product does not depend on how many rows come with it (checked
+    up to 600 rows, on a weight of more rows than the size thresholds at which BLAS libraries
+    change kernels). True by construction, one sgemv per row; checked once a process because
+    what it rests on is the BLAS: an sgemv whose threads split a product otherwise from one
+    call to the next would fail it."""
+    sgemv = system_sgemv()
+    if sgemv is None:
+        return False
+    gemm = partial(each_row, sgemv)
     rng = np.random.default_rng(0)
     weight = rng.standard_normal((512, 640)).astype(np.float32)
     x = rng.standard_normal((600, 640)).astype(np.float32)
@@ -276,13 +287,3 @@ def _split_invariant(gemm: Gemm) -> bool:
         if not np.array_equal(gemm(x, weight), gemm_uncut(x, weight)):
             return False
     return True
-
-
-def _head_agrees(fast: ProjectedModel, gemm: Gemm) -> bool:
-    """Two probe rows of the head through BLIS lie within the bound of MLX's own rows."""
-    weight = fast.weight_view()
-    probe = mx.sin(mx.arange(2 * weight.shape[1], dtype=mx.float32) * 0.23).reshape(2, 1, -1)
-    own = np.asarray(fast._project(probe)).reshape(2, -1)
-    got = gemm(np.asarray(probe).reshape(2, -1), weight)
-    bounds = [dot_error_bound(weight, np.asarray(probe[i]).reshape(-1)) for i in range(2)]
-    return all(bool(np.all(np.abs(got[i].astype(np.float64) - own[i]) <= 2 * bounds[i])) for i in range(2))

@@ -9,12 +9,16 @@ one vector (``benchmarks/mlx_gemv_repro.py`` shows it in a few lines, for upstre
 
 ``ProjectedModel`` composes an mlx-lm model without changing it: it runs the model's
 body (``model.model``), then the projection itself. At batch 1 the last position (the
-only one a decoder samples from) goes to ``cblas_sgemv`` over a zero-copy numpy view
-of MLX's weight buffer; all other rows, and every row of a batch of several agents, go
-through MLX's own matmul, bit-identical to the model's own call.
+only one a decoder samples from), and each agent's row of a decode step of up to
+``MAX_FEW_ROWS`` agents, goes to ``cblas_sgemv`` over a zero-copy numpy view of MLX's
+weight buffer, one call per row (``kvshelf.model.sgemv.each_row``: a batch's rows read the
+head in cache-sized blocks, so 8 rows cost 62 ms where MLX's 8-row sgemm took 76 and 8
+plain sgemv passes 147; ``benchmarks/results/head-rows-20261202-140516.json``); all other
+rows (the positions before the last of a long call) go through MLX's own matmul,
+bit-identical to the model's own call.
 
 The sgemv is the one of the OpenBLAS that MLX's own matmuls use (``kvshelf.model.blas``
-preloads it), called through ctypes, not numpy's ``W @ h``: numpy bundles a second
+preloads it), called through ctypes (``kvshelf.model.sgemv``), not numpy's ``W @ h``: numpy bundles a second
 OpenBLAS with its own thread pool, and the two pools' spinning threads fight over the
 cores between the body's sgemms and the projection (measured: a whole decode step got
 slower than MLX's own, though numpy's gemv alone was 2x faster). With one pool the step
@@ -29,11 +33,14 @@ the same way, so prefill's last token (a short prompt in one call or a long one 
 with a 1-token call) and decode at batch 1 are bit-identical to one another, and a
 restored agent continues exactly as one in RAM. The price: a batch-1 call of several
 positions (a prefill chunk) pays that sgemv on top of MLX's rows, about 30 ms on the
-embedded model, also for chunks whose logits are never read. A decode step with several
-agents uses MLX's rows, which were never bit-identical to one agent's row alone:
-OpenBLAS picks its sgemm kernel by shape, and a row of a 3-row product differs from
-that row in an 8- or 1-row one (up to 1e-6 on the tiny test models). So, as before,
-batched decode equals one-by-one decode token for token, not logit for logit: all rows
+embedded model, also for chunks whose logits are never read. In a decode step of several
+agents each agent's hidden row gets, through its own sgemv, the logits it would get alone;
+but the hidden rows themselves come from the body's projections, MLX's sgemm by default,
+which were never bit-identical to one agent's row alone: OpenBLAS picks its sgemm kernel
+by shape, and a row of a 3-row product differs from that row in an 8- or 1-row one (up
+to 1e-6 on the tiny test models; the shape-invariant kernels, ``kvshelf.model.gemv``, take
+every row through sgemv and so remove that). So, by default, batched decode equals
+one-by-one decode token for token, not logit for logit: all rows
 of one agent lie within ``dot_error_bound`` of each other, and the greedy token is
 provably the same whenever the top logit wins by more than the bounds, which
 ``greedy_is_certain`` checks.
@@ -47,18 +54,16 @@ heads, logit soft-capping, GPU) runs the model's own ``__call__``.
 
 from __future__ import annotations
 
-import ctypes
 from collections.abc import Callable
-from functools import cache
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from kvshelf.model import blas
 from kvshelf.model.arrays import borrow
 from kvshelf.model.few_rows import MAX_FEW_ROWS
+from kvshelf.model.sgemv import Sgemv, each_row, system_sgemv
 
 UNIT_ROUNDOFF = 2.0**-24  # fp32
 
@@ -99,57 +104,10 @@ def greedy_is_certain(logits: np.ndarray, bound: np.ndarray) -> bool:
     return bool(np.all(margin > 0))
 
 
-CBLAS_ROW_MAJOR, CBLAS_NO_TRANS = 101, 111
-
-
 def buffer_view(a: mx.array) -> np.ndarray:
     """A numpy array over ``a``'s own memory: MLX exports the buffer protocol, so no copy
     (``a`` is evaluated first if it is still lazy)."""
     return np.asarray(borrow(a))
-
-
-@cache
-def _cblas_sgemv(path: str) -> Any:
-    fn = ctypes.CDLL(path).cblas_sgemv
-    fn.restype = None
-    i, f, p = ctypes.c_int, ctypes.c_float, ctypes.c_void_p
-    fn.argtypes = [i, i, i, i, f, p, i, p, i, f, p, i]
-    return fn
-
-
-def system_sgemv() -> Callable[[np.ndarray, np.ndarray], np.ndarray] | None:
-    """``y = weight @ x`` through the OpenBLAS MLX's matmuls use, or None if it is not loaded.
-
-    ctypes releases the GIL for the call, as MLX does for its own work.
-    """
-    if blas.loaded_path is None:
-        return None
-    fn = _cblas_sgemv(blas.loaded_path)
-
-    def sgemv(weight: np.ndarray, x: np.ndarray) -> np.ndarray:
-        weight = np.ascontiguousarray(weight, dtype=np.float32)  # a view already, never copied in practice
-        x = np.ascontiguousarray(x, dtype=np.float32)
-        rows, cols = weight.shape
-        if x.shape != (cols,):
-            raise ValueError(f"sgemv: {weight.shape} @ {x.shape}")
-        y = np.empty(rows, dtype=np.float32)
-        fn(
-            CBLAS_ROW_MAJOR,
-            CBLAS_NO_TRANS,
-            rows,
-            cols,
-            1.0,
-            weight.ctypes.data,
-            cols,
-            x.ctypes.data,
-            1,
-            0.0,
-            y.ctypes.data,
-            1,
-        )
-        return y
-
-    return sgemv
 
 
 def _projection(model: nn.Module) -> tuple[Callable[[mx.array], mx.array], nn.Module] | None:
@@ -188,21 +146,17 @@ class ProjectedModel:
         model: nn.Module,
         project: Callable[[mx.array], mx.array],
         head: nn.Module,
-        sgemv: Callable[[np.ndarray, np.ndarray], np.ndarray],
+        sgemv: Sgemv,
         body: nn.Module | None = None,
-        gemm: Callable[[np.ndarray, np.ndarray], np.ndarray] | None = None,
         all_rows: bool = False,
     ) -> None:
         self.inner = model
         # What runs before the projection: the model's own body, or the same function
         # over the same weights with batch-1 projections through sgemv (kvshelf.model.gemv).
         self.body: nn.Module = body if body is not None else model.model
-        # A decode batch's rows (2..MAX_FEW_ROWS agents, one position each) through BLIS's skinny
-        # product (kvshelf.model.few_rows) where that is installed and was verified.
-        self._gemm = gemm
-        # Every row through BLIS, one as many (kvshelf.model.gemv.SHAPE_INVARIANT): a row's
-        # logits then do not depend on the batch it was computed in.
-        self._all_rows = all_rows and gemm is not None
+        # Every row through its own sgemv, one as many (kvshelf.model.gemv.SHAPE_INVARIANT): a
+        # row's logits then do not depend on the batch or the call it was computed in.
+        self._all_rows = all_rows
         self._project = project
         self._head = head
         self._sgemv = sgemv
@@ -223,22 +177,24 @@ class ProjectedModel:
 
     def gemv(self, h: mx.array) -> mx.array:
         """Logits for one hidden row ``h`` (shape ``(hidden,)``) through the BLAS's sgemv."""
-        return mx.array(self._sgemv(self.weight_view(), buffer_view(h.astype(mx.float32))))
+        return self.rows_through_sgemv(h[None])[0]
+
+    def rows_through_sgemv(self, hidden: mx.array) -> mx.array:
+        """Logits for every row of ``hidden`` (any leading shape), each row its own sgemv
+        (``each_row``), so that a row's bits cannot depend on the rows computed with it."""
+        rows = buffer_view(hidden.astype(mx.float32)).reshape(-1, hidden.shape[-1])
+        return mx.array(each_row(self._sgemv, rows, self.weight_view())).reshape(*hidden.shape[:-1], -1)
 
     def project(self, hidden: mx.array) -> mx.array:
-        """Logits for ``hidden`` of shape (batch, length, dim): MLX's matmul for every row,
-        except that at batch 1 the last position goes through ``gemv``."""
-        if self._all_rows and self._gemm is not None:
-            rows = buffer_view(hidden.astype(mx.float32)).reshape(-1, hidden.shape[-1])
-            return mx.array(self._gemm(rows, self.weight_view())).reshape(*hidden.shape[:-1], -1)
+        """Logits for ``hidden`` of shape (batch, length, dim). Each row through its own sgemv
+        (``rows_through_sgemv``): every row, shape-invariant; else a decode step's (one
+        position each of up to ``MAX_FEW_ROWS`` agents) and a batch-1 call's last position.
+        Every other row (all positions of a long call: a perplexity pass) is MLX's matmul."""
+        if self._all_rows or (hidden.shape[1] == 1 and hidden.shape[0] <= MAX_FEW_ROWS):
+            return self.rows_through_sgemv(hidden)
         if hidden.shape[0] != 1:
-            if self._gemm is not None and hidden.shape[1] == 1 and hidden.shape[0] <= MAX_FEW_ROWS:
-                rows = buffer_view(hidden.astype(mx.float32)).reshape(hidden.shape[0], -1)
-                return mx.array(self._gemm(rows, self.weight_view()))[:, None]
             return self._project(hidden)
         last = self.gemv(hidden[0, -1])[None, None]
-        if hidden.shape[1] == 1:
-            return last
         return mx.concatenate([self._project(hidden[:, :-1]), last], axis=1)
 
     def __call__(self, inputs: mx.array, cache: Any = None, **kwargs: Any) -> mx.array:
