@@ -1,7 +1,8 @@
 """Fingerprints of the shape-invariant kernels' outputs: sha256 of every logit and cache array.
 
-``LoadedModel.greedy_forward`` (every projection through BLIS, every attention through
-``kvshelf.model.attention``) must compute the same bits whatever is done to make it
+``LoadedModel.greedy_forward`` (each row of every projection its own sgemv, every attention
+through ``kvshelf.model.attention``; until 2026-12-02 the rows went through BLIS, so
+fingerprints taken before that differ by design) must compute the same bits whatever is done to make it
 faster: the identity results of ``benchmarks/invariance.py`` hold only for the kernels
 they ran on. This script runs a fixed set of inputs through ``greedy_forward`` and prints
 one sha256 per case and one over all; run it against two checkouts and compare:

@@ -6,7 +6,7 @@ the quality section of ``kvshelf bench`` on its own (see ``kvbench.quality``).
 
 Writes benchmarks/results/perplexity-<time>/ (REPORT.md, results.json, quality.png).
 ``--kernels``: instead, each scheme with the engine's default kernels and with the
-shape-invariant ones (``KVSHELF_SHAPE_INVARIANT``: every projection through BLIS, the
+shape-invariant ones (``KVSHELF_SHAPE_INVARIANT``: each row of every projection its own sgemv, the
 invariant attention of ``kvshelf.model.attention``) against mlx-lm's fp32 cache, side by
 side; writes ``results/perplexity-kernels-<time>.json``.
 """

@@ -8,7 +8,7 @@ of a sliding and a global layer on 256 rows at once and on one row alone: the no
 q/k/v/o projections, the per-head norms, RoPE (the row alone at its own offset), attention
 through a kvshelf cache (a 256-token call against 255 tokens then 1) and the MLP, the head;
 once with the engine's default kernels, once with the shape-invariant ones
-(``KVSHELF_SHAPE_INVARIANT``: every projection through BLIS, ``kvshelf.model.attention``).
+(``KVSHELF_SHAPE_INVARIANT``: each row of every projection its own sgemv, ``kvshelf.model.attention``).
 
     python benchmarks/row_probe.py [--model embedded] [--rows 256]
 

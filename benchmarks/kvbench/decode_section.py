@@ -2,7 +2,7 @@
 
 On the bench's own model, side by side in one run: kvshelf's decode step as the
 scheduler runs it (the default KV scheme through the decode working set, the batch-1
-projections through sgemv and a batch's through BLIS), mlx-lm's own step with its fp32
+output projection through sgemv, a row per agent), mlx-lm's own step with its fp32
 KV cache at batch 1 (what ``mlx_lm.generate`` runs), and the floor: the model's weight
 bytes over the memory bandwidth measured now. Caches hold random K/V of the context's
 length (timing does not depend on the values). ``benchmarks/decode.py`` measures more

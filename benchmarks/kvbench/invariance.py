@@ -354,15 +354,17 @@ def run_stage(g: Greedy, stage: str, work: Path, generate: int, ids: list[int] |
 
 # -- the cost of each kernel choice --------------------------------------------------------
 CURRENT = "current code (default kernels, MLX attention)"
-BLIS_ONLY = "every row through BLIS, MLX attention"
+ROWS_ONLY = "every row its own sgemv, MLX attention"
 ATTENTION_ONLY = "invariant attention, default projections"
-INVARIANT = "shape-invariant (BLIS rows + invariant attention)"
-# The kernel choices a conversation can run with: (every projection through BLIS, invariant attention)
+INVARIANT = "shape-invariant (rows through sgemv + invariant attention)"
+# The kernel choices a conversation can run with: (every projection's rows invariant, invariant
+# attention). "blis" keeps its name from run directories written when those rows went through
+# BLIS's product; since 2026-12-02 each row is its own sgemv (kvshelf.model.sgemv.each_row).
 KERNELS = {"default": (False, False), "blis": (True, False), "attention": (False, True), "invariant": (True, True)}
 
 
 def with_kernels(loaded: Any, all_rows: bool, attention: bool = False) -> Any:
-    """``loaded`` whose forward sends every projection's rows through BLIS (or not) and
+    """``loaded`` whose forward sends every projection's rows through their own sgemv (or not) and
     runs ``kvshelf.model.attention`` (or MLX's attention)."""
     twin = copy.copy(loaded)
     twin.forward = with_fast_linears(loaded.model, all_rows=all_rows, attention=attention)
@@ -434,12 +436,12 @@ def run(ctx: Any) -> dict:
 
 
 def cost_variants(loaded: Any) -> dict[str, Any]:
-    """The current code, the invariant attention alone, and (where BLIS passed its check)
-    BLIS alone and both: what ``cost`` times."""
+    """The current code, the invariant attention alone, and (where the invariant rows passed
+    their check) those rows alone and both: what ``cost`` times."""
     variants = {CURRENT: loaded, ATTENTION_ONLY: with_kernels(loaded, False, True)}
     both = with_kernels(loaded, True, True)
     if getattr(both.forward, "_all_rows", False):
-        variants[BLIS_ONLY] = with_kernels(loaded, True, False)
+        variants[ROWS_ONLY] = with_kernels(loaded, True, False)
         variants[INVARIANT] = both
     return variants
 

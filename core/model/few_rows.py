@@ -39,9 +39,10 @@ Alone BLIS's kernels are faster (4 rows through the embedded model's 126 project
 73 against 133 ms, its head 94 against 153 ms at 8 rows), but each call hands a numpy
 view to BLIS, so MLX must evaluate the step's graph up to it: 126-210 syncs a step,
 which cost about what the kernels save. (What grows with the batch is attention, not
-the projections: see the README.) Every projection through BLIS
-(``kvshelf.model.gemv.SHAPE_INVARIANT``) is a separate choice and uses ``system_gemm``
-whatever this default says.
+the projections: see the README.) The shape-invariant kernels
+(``kvshelf.model.gemv.SHAPE_INVARIANT``) used BLIS for every row until 2026-12-02; they now
+run each row as its own sgemv (``kvshelf.model.sgemv.each_row``), which is faster for the
+1-8 rows of a decode step: BLIS computes up to six rows as slowly as six.
 """
 
 from __future__ import annotations

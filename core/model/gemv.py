@@ -1,4 +1,4 @@
-"""The layers' projections of a decode batch through BLIS (one row optionally through sgemv).
+"""The layers' projections through sgemv (shape-invariant: every row) or, asked, a decode batch's through BLIS.
 
 A decode step multiplies one row per agent by every weight matrix of every layer
 (q/k/v/o, gate/up/down). MLX's CPU backend runs each as ``cblas_sgemm``, which OpenBLAS
@@ -9,20 +9,21 @@ Gemma 3 at 38.5 ms through MLX and 19.2 ms through ``cblas_sgemv`` (load 1.1-1.3
 
 ``gemv_body`` builds a second module tree over the same arrays (nothing is copied but
 the small module objects), in which every plain fp32 ``nn.Linear`` without a bias is a
-``GemvLinear``: 2..16 rows go to BLIS (where installed, and only with ``batches``: off by
-default, see ``kvshelf.model.few_rows``), one row to ``sgemv`` only with
-``one_row`` (off by default: see ``ONE_ROW_SGEMV``), and anything else is the wrapped
-layer's own call, bit for bit. The model itself is not changed, so the plain model (what
+``GemvLinear``: with ``all_rows`` (the shape-invariant kernels) every row to its own
+``sgemv`` (``kvshelf.model.sgemv.each_row``); otherwise 2..16 rows go to BLIS (where
+installed, and only with ``batches``: off by default, see ``kvshelf.model.few_rows``), one
+row to ``sgemv`` only with ``one_row`` (off by default: see ``ONE_ROW_SGEMV``), and anything
+else is the wrapped layer's own call, bit for bit. The model itself is not changed, so the plain model (what
 mlx-lm, the spec probe and every long prompt see) stays what it was. Each wrapped layer
 is checked once at build time: its rows on a probe lie within the fp32 dot-product error
 bound of MLX's, else it keeps its own call.
 
 Exactness, and where it ends: every call of a given shape takes the same path, so an
 agent restored from disk continues bit-identically to one kept in RAM (same calls on the
-same state). A batch of several agents runs BLIS's rows, which round differently from a
-lone agent's in the last bits (MLX's own sgemm rows already did: OpenBLAS picks its
-kernel by shape); batched decoding stays equal to one-by-one decoding token for token
-where no two logits are within that rounding.
+same state). A batch of several agents runs MLX's (or, asked, BLIS's) rows, which round
+differently from a lone agent's in the last bits (OpenBLAS picks its sgemm kernel by
+shape); batched decoding stays equal to one-by-one decoding token for token where no two
+logits are within that rounding. With ``all_rows`` a row's bits are its own, in any batch.
 """
 
 from __future__ import annotations

@@ -71,7 +71,7 @@ class LoadedModel:
     @cached_property
     def greedy_forward(self) -> nn.Module | ProjectedModel:
         """What to call for a request at temperature 0 (or a prefill only): ``forward`` with
-        the shape-invariant kernels (every projection through BLIS where installed, every
+        the shape-invariant kernels (each row of every projection its own sgemv, every
         attention ``kvshelf.model.attention``), so its reply does not depend on the chunking,
         the batch or the path its cache took (issue 21). ``forward`` itself where that is
         invariant already (``KVSHELF_SHAPE_INVARIANT=1``) or where it is turned off (``=0``).
