@@ -72,6 +72,7 @@ def test_each_rows_product_is_one_sgemv_a_row_wherever_the_row_lies():
         for i in range(5):
             assert np.array_equal(got[i], sgemv(w, np.ascontiguousarray(shifted[i]))), (n, k, i)
             assert np.array_equal(got[i], each_row(sgemv, shifted[i : i + 1], w)[0])
+    assert each_row(sgemv, shifted[:0], w).shape == (0, 300)
     with pytest.raises(ValueError, match="each_row"):
         each_row(sgemv, shifted, rng.standard_normal((8, 7)).astype(np.float32))
 

@@ -107,6 +107,8 @@ def each_row(sgemv: Sgemv, x: np.ndarray, weight: np.ndarray) -> np.ndarray:
     n = weight.shape[0]
     if weight.shape[1] != k:
         raise ValueError(f"each_row: {x.shape} @ {weight.shape}.T")
+    if rows == 0:
+        return np.empty((0, n), dtype=np.float32)
     aligned = _aligned_copy(x)
     block = block_rows(k)
     if rows == 1 or n <= block or not _blocks_agree(sgemv, weight, block):
