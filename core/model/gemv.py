@@ -51,7 +51,7 @@ from kvshelf.switches import ON
 ONE_ROW_SGEMV = False
 
 # Whether every projection (the layers' and the head's), of any number of rows (a decode step
-# of 1..16 agents, a prefill chunk), runs as one sgemv per row (``kvshelf.model.head.each_row``),
+# of 1..16 agents, a prefill chunk), runs as one sgemv per row (``kvshelf.model.sgemv.each_row``),
 # so that a row's bits are those of that row alone (checked at load: a row of a product of up
 # to 600 rows equals that row alone, bit for bit), where OpenBLAS's sgemm picks another kernel
 # by shape (a row of a 16-, 32- or 48-row product differs from the 1-row one in the last bits,
@@ -191,7 +191,7 @@ def with_fast_linears(
     """``with_fast_head(model)`` whose body also runs its batch-1 projections through sgemv
     (``one_row``) and a decode batch's through BLIS (``batches``; None: ``few_rows``'s default),
     or (``all_rows``, None: ``SHAPE_INVARIANT``) every row of every projection as its own
-    sgemv (``kvshelf.model.head.each_row``: a row's bits independent of the others).
+    sgemv (``kvshelf.model.sgemv.each_row``: a row's bits independent of the others).
     ``attention`` (None: ``SHAPE_INVARIANT``): every attention module of a known shape runs
     ``kvshelf.model.attention.invariant_attention`` (rows independent of the call's shape,
     each KV head read once for its query heads).

@@ -47,6 +47,10 @@ ROW_ALIGNMENT = 64  # bytes: every row handed to sgemv starts on a cache line
 # against 137 ms unblocked; 8192-row blocks 76 ms).
 BLOCK_BYTES = 8 << 20
 
+# Whether blocks of a weight's rows give the unblocked product's bits, by (shape, block rows,
+# the weight's address modulo ROW_ALIGNMENT): ``_blocks_agree``'s verdicts, one per process.
+_BLOCK_VERDICTS: dict[tuple, bool] = {}
+
 
 @cache
 def _cblas_sgemv(path: str) -> Any:
@@ -136,6 +140,3 @@ def _blocks_agree(sgemv: Sgemv, weight: np.ndarray, block: int) -> bool:
         parts = np.concatenate([sgemv(weight[lo : lo + block], probe) for lo in range(0, weight.shape[0], block)])
         known = _BLOCK_VERDICTS[key] = bool(np.array_equal(parts, whole))
     return known
-
-
-_BLOCK_VERDICTS: dict[tuple, bool] = {}
