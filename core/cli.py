@@ -16,6 +16,8 @@ import sys
 import threading
 from pathlib import Path
 
+from kvshelf.ctrl_c import from_ctrl_c, on_ctrl_c
+
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
@@ -216,7 +218,7 @@ def _demo_with_ctrl_c(argv: list[str]) -> int:
     closed, and the interpreter's teardown of MLX, transformers and their threads takes a
     third of a second more, for nothing."""
     if threading.current_thread() is threading.main_thread():  # signal handlers belong to the main thread
-        signal.signal(signal.SIGINT, _on_ctrl_c)
+        signal.signal(signal.SIGINT, on_ctrl_c)
     try:
         return _command(argv)
     except BaseException as exc:
@@ -227,37 +229,6 @@ def _demo_with_ctrl_c(argv: list[str]) -> int:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(130)
-
-
-_ctrl_c_pressed = threading.Event()
-
-
-def _on_ctrl_c(signum: int, frame: object) -> None:
-    """SIGINT: remembered, then raised as KeyboardInterrupt. Remembered because the
-    exception can be lost on its way up (for instance raised while a C extension runs
-    Python code whose errors it clears): a Ctrl-C during the model's load was once
-    ignored so in about a dozen test runs, and the demo talked on. The demo checks the
-    flag after the load and at every streamed piece."""
-    _ctrl_c_pressed.set()
-    raise KeyboardInterrupt
-
-
-def raise_if_ctrl_c_was_pressed() -> None:
-    """Raise KeyboardInterrupt if Ctrl-C came, even if something swallowed its exception."""
-    if _ctrl_c_pressed.is_set():
-        raise KeyboardInterrupt
-
-
-def from_ctrl_c(exc: BaseException) -> bool:
-    """Whether ``exc`` is a KeyboardInterrupt, or was raised while handling one or because of one."""
-    seen: set[int] = set()
-    cause: BaseException | None = exc
-    while cause is not None and id(cause) not in seen:
-        if isinstance(cause, KeyboardInterrupt):
-            return True
-        seen.add(id(cause))
-        cause = cause.__cause__ or cause.__context__
-    return False
 
 
 def _demo(args: argparse.Namespace) -> int:

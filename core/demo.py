@@ -27,7 +27,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TextIO
 
-from kvshelf.cli import from_ctrl_c, raise_if_ctrl_c_was_pressed
+from kvshelf.ctrl_c import from_ctrl_c, raise_if_ctrl_c_was_pressed
 from kvshelf.runtime.engine import ChatResult, Engine
 from kvshelf.runtime.params import GenerationParams
 

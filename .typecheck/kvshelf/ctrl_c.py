@@ -1,0 +1,1 @@
+../../core/ctrl_c.py
