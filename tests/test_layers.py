@@ -15,7 +15,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 # Lowest first. ``errors``, ``paths`` and ``switches`` are leaves every layer may use;
-# the apps (``cli``, ``demo``, ``doctor``) sit on top of everything.
+# the apps (``cli``, ``demo``, ``doctor``, and ``ctrl_c``, their Ctrl-C handling) sit on top of everything.
 LAYERS = [
     "errors",
     "paths",
@@ -37,7 +37,7 @@ def layer_of(module: str) -> str | None:
     if parts[0] != "kvshelf" or len(parts) == 1:
         return None
     top = parts[1]
-    if top in ("cli", "demo", "doctor"):
+    if top in ("cli", "demo", "doctor", "ctrl_c"):
         return "apps"
     return top if top in LAYERS else None
 
