@@ -41,6 +41,7 @@ larger pieces: not done yet.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import cache
 from typing import Any
 
@@ -364,9 +365,9 @@ def _additive(mask: Any) -> bool:
     return isinstance(mask, mx.array) and mask.dtype != mx.bool_
 
 
-def _agrees(wrapper: InvariantAttention) -> bool:
+def _agrees(wrapper: nn.Module) -> bool:
     """The wrapper's prefill and decode on an mlx-lm ``KVCache`` agree with the module's own
-    to fp32 rounding (another summation order, so not bit for bit)."""
+    (its ``attention``) to fp32 rounding (another summation order, so not bit for bit)."""
     a = wrapper.attention
     first = next((a[name] for name in ("q_proj", "q_a_proj") if name in a), None)  # the input's width
     weights = [] if first is None else [m["weight"] for _, m in first.named_modules() if "weight" in m]
@@ -397,29 +398,40 @@ def invariant_attention_body(
     module: nn.Module, wrapped: list[InvariantAttention] | None = None, checked: dict[tuple, bool] | None = None
 ) -> nn.Module:
     """A copy of ``module``'s tree over the same arrays with every known attention module
-    that passes the probe wrapped in ``InvariantAttention`` (``wrapped`` collects them).
-    The probe runs once per kind of layer (``_shape_key``): a model's 18 or 30 attention
-    layers are one or two kinds."""
+    that passes the probe wrapped in ``InvariantAttention`` (``wrapped`` collects them)."""
+    return known_attention_body(module, lambda wrapper: wrapper, wrapped, checked)
+
+
+def known_attention_body(
+    module: nn.Module,
+    make: Callable[[InvariantAttention], nn.Module],
+    wrapped: list | None = None,
+    checked: dict[tuple, bool] | None = None,
+) -> nn.Module:
+    """A copy of ``module``'s tree over the same arrays with every known attention module
+    (``KNOWN``) replaced by ``make(its wrapper)``, where that agrees with the module's own
+    (``_agrees``; ``wrapped`` collects them). The probe runs once per kind of layer
+    (``_shape_key``): a model's 18 or 30 attention layers are one or two kinds."""
     checked = {} if checked is None else checked
     known = KNOWN.get((type(module).__module__, type(module).__name__))
     if known is not None:
         wrapper_class, head_norms = known
-        wrapper = wrapper_class(module, head_norms)
+        made = make(wrapper_class(module, head_norms))
         try:
             key: tuple | None = _shape_key(module)
         except (AttributeError, KeyError, TypeError):  # not the layout KNOWN promises: probe it alone
             key = None
         if key is None or key not in checked:
-            agrees = _agrees(wrapper)
+            agrees = _agrees(made)
             if key is not None:
                 checked[key] = agrees
         else:
             agrees = checked[key]
         if agrees:
             if wrapped is not None:
-                wrapped.append(wrapper)
-            return wrapper
+                wrapped.append(made)
+            return made
         return module
     if not module.children():
         return module
-    return with_children(module, lambda m: invariant_attention_body(m, wrapped, checked))
+    return with_children(module, lambda m: known_attention_body(m, make, wrapped, checked))

@@ -37,10 +37,11 @@ import numpy as np
 
 from kvshelf.model.attention import invariant_attention_body
 from kvshelf.model.few_rows import MAX_FEW_ROWS, Gemm, batches_through_blis, gemm_uncut, system_gemm
+from kvshelf.model.grouped_attention import grouped_attention_body
 from kvshelf.model.head import ProjectedModel, buffer_view, dot_error_bound, with_fast_head
 from kvshelf.model.module_tree import with_children
 from kvshelf.model.sgemv import Sgemv, each_row, system_sgemv
-from kvshelf.switches import ON
+from kvshelf.switches import ON, env_on
 
 # Whether a batch-1 call's layer projections go to sgemv too. Off: measured alone they
 # take half of MLX's time (19.2 against 38.5 ms on the embedded Gemma 3), but each call
@@ -70,6 +71,11 @@ SHAPE_INVARIANT = _SWITCH in ON
 # ``LoadedModel.greedy_forward``. Unset, the switch means exactly that: invariant at
 # temperature 0, the faster default kernels when sampling.
 GREEDY_INVARIANT = _SWITCH not in ("0", "false", "no")
+
+# Whether the default kernels' decode steps run each KV head's query heads as one product
+# (``kvshelf.model.grouped_attention``) rather than MLX's CPU attention, one product per query
+# head. ``KVSHELF_MLX_SDPA=1`` keeps MLX's (what ``benchmarks/decode.py --paths mlx-sdpa`` compares).
+GROUPED_DECODE = not env_on("KVSHELF_MLX_SDPA")
 
 
 class GemvLinear(nn.Module):
@@ -187,6 +193,7 @@ def with_fast_linears(
     batches: bool | None = None,
     attention: bool | None = None,
     head: nn.Module | ProjectedModel | None = None,
+    grouped: bool = GROUPED_DECODE,
 ) -> nn.Module | ProjectedModel:
     """``with_fast_head(model)`` whose body also runs its batch-1 projections through sgemv
     (``one_row``) and a decode batch's through BLIS (``batches``; None: ``few_rows``'s default),
@@ -194,7 +201,8 @@ def with_fast_linears(
     sgemv (``kvshelf.model.sgemv.each_row``: a row's bits independent of the others).
     ``attention`` (None: ``SHAPE_INVARIANT``): every attention module of a known shape runs
     ``kvshelf.model.attention.invariant_attention`` (rows independent of the call's shape,
-    each KV head read once for its query heads).
+    each KV head read once for its query heads); otherwise, ``grouped``, decode steps' attention
+    runs ``kvshelf.model.grouped_attention`` (each KV head's query heads as one product).
 
     Only where the head itself could be wrapped (fp32 on the CPU with the system OpenBLAS
     and an architecture that is body then projection), and only if the copied body is
@@ -218,7 +226,7 @@ def with_fast_linears(
     wrapped: list[GemvLinear] = []
     body = gemv_body(model.model, sgemv, gemm, wrapped, one_row, all_rows)
     if not wrapped:
-        return _with_attention(fast, invariant)
+        return _with_attention(fast, invariant, grouped)
     probe = mx.array([[(5 * i + 3) % 97 for i in range(MAX_FEW_ROWS + 1)]])
     try:
         got, own = body(probe), model.model(probe)
@@ -227,14 +235,9 @@ def with_fast_linears(
     except Exception:  # a body whose copy cannot be called: keep the model's own
         return fast
     if not same:
-        return _with_attention(fast, invariant)
+        return _with_attention(fast, invariant, grouped)
     return ProjectedModel(
-        model,
-        fast._project,
-        fast._head,
-        sgemv,
-        body=invariant_attention_body(body) if invariant else body,
-        all_rows=all_rows,
+        model, fast._project, fast._head, sgemv, body=_attention_body(body, invariant, grouped), all_rows=all_rows
     )
 
 
@@ -248,11 +251,20 @@ def _head_of(model: nn.Module, built: nn.Module | ProjectedModel | None) -> nn.M
     return with_fast_head(model)
 
 
-def _with_attention(fast: ProjectedModel, invariant: bool) -> ProjectedModel:
-    """``fast`` with its body's attention modules made invariant, if asked."""
-    if not invariant:
+def _with_attention(fast: ProjectedModel, invariant: bool, grouped: bool) -> ProjectedModel:
+    """``fast`` with its body's attention modules made invariant or grouped, if asked."""
+    if not invariant and not grouped:
         return fast
-    return ProjectedModel(fast.inner, fast._project, fast._head, fast._sgemv, body=invariant_attention_body(fast.body))
+    body = _attention_body(fast.body, invariant, grouped)
+    return ProjectedModel(fast.inner, fast._project, fast._head, fast._sgemv, body=body)
+
+
+def _attention_body(body: nn.Module, invariant: bool, grouped: bool) -> nn.Module:
+    """``body`` with its attention modules invariant (``kvshelf.model.attention``), else, asked,
+    grouped for decode (``kvshelf.model.grouped_attention``), else as they are."""
+    if invariant:
+        return invariant_attention_body(body)
+    return grouped_attention_body(body) if grouped else body
 
 
 @cache
