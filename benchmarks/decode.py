@@ -13,7 +13,10 @@ and side by side, for each model and context length:
   caches, one ``BatchLayerView`` per layer when several agents decode together), and
   (``--paths pipeline``) the scheduler's path with the working set's pipelining
   (``kvshelf.kv.working_set.PIPELINE``, off by default), and (``--paths greedy``) what a
-  temperature-0 request runs, ``LoadedModel.greedy_forward``'s shape-invariant kernels;
+  temperature-0 request runs, ``LoadedModel.greedy_forward``'s shape-invariant kernels, and
+  (``--paths mlx-sdpa``) the scheduler's path with decode attention through MLX's own
+  ``scaled_dot_product_attention`` (one product per query head) instead of
+  ``kvshelf.model.grouped_attention`` (one per KV head);
 - mlx-lm's own step on the same model with its fp32 ``KVCache``/``RotatingKVCache``
   (batch 1: what ``mlx_lm.generate`` runs);
 - the floor: the model's weight bytes (and weights + K/V bytes) divided by the memory
@@ -95,7 +98,19 @@ def build_model(name: str) -> nn.Module:
 
 
 # "blis" (or "no-blis"): the engine with the other setting of BLIS for a batch's rows beside it
-PATHS = ("mlx-lm", "default", "q4", "blis", "no-blis", "per-step", "head-only", "one-row-sgemv", "pipeline", "greedy")
+PATHS = (
+    "mlx-lm",
+    "default",
+    "q4",
+    "blis",
+    "no-blis",
+    "per-step",
+    "head-only",
+    "one-row-sgemv",
+    "pipeline",
+    "greedy",
+    "mlx-sdpa",
+)
 
 
 def engine_forward(model: nn.Module, blis: bool | None = None) -> nn.Module | ProjectedModel:
@@ -124,6 +139,7 @@ def run(
         toggled_name = "no-blis" if blis_default else "blis"
         head_only = with_fast_head(model)  # the previous engine path: only the batch-1 head through sgemv
         one_row = with_fast_linears(model, one_row=True)  # batch 1's layer projections through sgemv too
+        mlx_sdpa = with_fast_linears(model, grouped=False)  # decode attention through MLX's own (per query head)
         # what a temperature-0 request runs (LoadedModel.greedy_forward): the shape-invariant kernels
         greedy = with_fast_linears(model, all_rows=True, attention=True) if "greedy" in paths else None
         floor_ms = wbytes / (gbs * 1e9) * 1e3
@@ -152,6 +168,8 @@ def run(
                         kinds.append((True, f"{scheme} head-only sgemv", head_only))
                     if "one-row-sgemv" in paths:
                         kinds.append((True, f"{scheme} one-row sgemv", one_row))
+                    if "mlx-sdpa" in paths:
+                        kinds.append((True, f"{scheme} mlx sdpa", mlx_sdpa))
                     if greedy is not None:
                         kinds.append((True, f"{scheme} greedy (shape-invariant)", greedy))
                     if "pipeline" in paths:
