@@ -12,8 +12,8 @@ left-padding mask) and contexts 1K and 4K:
 
 alternated, repeat by repeat, so that drift in the machine's load touches both alike;
 medians, the largest difference between their outputs, and the bytes of K/V read against
-the bandwidth floor (the K/V bytes over the best read bandwidth seen in the same run,
-a numpy sum of a 512 MB buffer).
+the bandwidth floor (the K/V bytes over the best read bandwidth seen in the same run:
+``kvbench.decode_steps.bandwidth``'s sums of a 512 MB buffer).
 
     python benchmarks/grouped_attention.py [--repeats 15]
 
@@ -36,21 +36,11 @@ import mlx.core as mx
 import numpy as np
 from common import write_json
 
+from kvbench.decode_steps import bandwidth, describe_bandwidth
 from kvshelf.model.grouped_attention import grouped_decode_attention
 
 # (name, query heads, KV heads, head dim, layers)
 SHAPES = (("embedded", 4, 1, 256, 18), ("llama30", 9, 3, 64, 30))
-
-
-def stream_gbs(mb: int = 512, repeats: int = 5) -> float:
-    """The best numpy read bandwidth of a buffer well above the last-level cache, GB/s."""
-    buf = np.ones(mb * (1 << 20) // 4, dtype=np.float32)
-    best = float("inf")
-    for _ in range(repeats + 1):
-        t = time.perf_counter()
-        buf.sum()
-        best = min(best, time.perf_counter() - t)
-    return buf.nbytes / best / 1e9
 
 
 def timed(fn: Callable[[], Any]) -> float:
@@ -101,8 +91,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=15)
     args = parser.parse_args()
     load_start = list(os.getloadavg())
-    gbs = stream_gbs()
-    print(f"load average {load_start}; stream read {gbs:.1f} GB/s")
+    bw = bandwidth(megabytes=512)
+    gbs = bw["gbs"]
+    print(f"load average {load_start}; read GB/s: {describe_bandwidth(bw)}")
     rows = []
     for name, heads, kv, d, layers in SHAPES:
         for context in (1024, 4096):
@@ -119,7 +110,7 @@ def main() -> None:
     load_end = list(os.getloadavg())
     print(f"load average at end {load_end}")
     loads = {"load_average_at_start": load_start, "load_average_at_end": load_end}
-    out = write_json("grouped-attention", {"stream_gbs": round(gbs, 2), **loads, "rows": rows})
+    out = write_json("grouped-attention", {"bandwidth": bw, "stream_gbs": gbs, **loads, "rows": rows})
     print("wrote", out)
 
 

@@ -253,10 +253,8 @@ def _head_of(model: nn.Module, built: nn.Module | ProjectedModel | None) -> nn.M
 
 def _with_attention(fast: ProjectedModel, invariant: bool, grouped: bool) -> ProjectedModel:
     """``fast`` with its body's attention modules made invariant or grouped, if asked."""
-    if not invariant and not grouped:
-        return fast
     body = _attention_body(fast.body, invariant, grouped)
-    return ProjectedModel(fast.inner, fast._project, fast._head, fast._sgemv, body=body)
+    return fast if body is fast.body else ProjectedModel(fast.inner, fast._project, fast._head, fast._sgemv, body=body)
 
 
 def _attention_body(body: nn.Module, invariant: bool, grouped: bool) -> nn.Module:

@@ -82,7 +82,7 @@ class GroupedDecodeAttention(nn.Module):
             return a(x, mask, cache)
         q, k, v = self.projector.project(x, cache.offset)
         keys, values = cache.update_and_fetch(k, v)
-        if hasattr(cache, "bits") or isinstance(keys, tuple) or keys.shape[1] == 0 or q.shape[1] % keys.shape[1]:
+        if hasattr(cache, "bits"):  # packed rows: mlx-lm's quantized attention, as the module decides
             out = scaled_dot_product_attention(q, keys, values, cache=cache, scale=a.scale, mask=mask)
         else:
             out = grouped_decode_attention(q, keys, values, a.scale, mask)
