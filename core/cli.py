@@ -49,6 +49,17 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--budget", default=None, help="RAM budget for resident caches, e.g. 2GB (default: no limit)")
 
 
+def _count(text: str) -> int:
+    """An argument that counts something: a whole number, 0 or more."""
+    try:
+        n = int(text)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"expected a whole number, 0 or more, not {text!r}")
+    return n
+
+
 def _log_level(p: argparse.ArgumentParser, default: str) -> None:
     p.add_argument("--log-level", choices=LOG_LEVELS, default=default, help="what kvshelf (and uvicorn) log to stderr")
 
@@ -104,6 +115,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="NAME",
         help="this node's name in the records it writes and in X-KVShelf-Node (default with --shared: the host name)",
+    )
+    serve.add_argument(
+        "--anonymous-prefixes",
+        type=_count,
+        default=None,
+        metavar="N",
+        help="requests that name no agent: keep the caches of the last N in RAM, reused where a new prompt "
+        "starts with the same tokens (0: every such request starts cold; default: kvshelf.runtime.anonymous's)",
     )
     _log_level(serve, "info")
 
@@ -177,6 +196,7 @@ def _command(argv: list[str]) -> int:
                 store=args.store,
                 shared=args.shared,
                 node_id=args.node_id,
+                **({} if args.anonymous_prefixes is None else {"anonymous_prefixes": args.anonymous_prefixes}),
             )
         except (DirectoryInUse, StoreUnusable) as exc:  # refused before the model was loaded
             print(f"kvshelf serve: {exc}", file=sys.stderr)

@@ -90,3 +90,21 @@ def test_anonymous_prefixes_yield_to_named_agents_within_the_budget(tiny_dirs, t
     r2 = engine.chat(None, next_turn(first_turn(), r1.text, "And then?"), max_tokens=6)
     assert r2.usage.cached_tokens == 0  # it was dropped, not spilled to disk
     assert {a.agent_id for a in engine.agents()} == {"alice"}
+
+
+def test_anonymous_prefixes_can_be_turned_off(tiny_dirs, tmp_path):
+    """``anonymous_prefixes=0``: a request that names no agent always starts cold (and
+    answers as one that reuses does), and nothing stays in RAM after it."""
+    keeping = Engine(model=tiny_dirs["llama"], cache_dir=tmp_path / "a")
+    off = Engine(model=tiny_dirs["llama"], cache_dir=tmp_path / "b", anonymous_prefixes=0)
+    first = first_turn(system=SHORTER)
+    r1 = off.chat(None, first, max_tokens=8)
+    assert len(off._shelf.anonymous) == 0
+    msgs = next_turn(first, r1.text, "And tomorrow?")
+    again = off.chat(None, msgs, max_tokens=8)
+    assert again.usage.cached_tokens == 0 and len(off._shelf.anonymous) == 0
+    keeping.chat(None, first, max_tokens=8)
+    reused = keeping.chat(None, msgs, max_tokens=8)
+    assert reused.usage.cached_tokens > 0 and reused.token_ids == again.token_ids
+    with pytest.raises(ValueError, match="0 or more"):
+        Engine(model=tiny_dirs["llama"], cache_dir=tmp_path / "c", anonymous_prefixes=-1)

@@ -39,6 +39,8 @@ class AnonymousPrefixes:
     """The recently finished anonymous requests' caches, least recently used first."""
 
     def __init__(self, max_entries: int = MAX_ENTRIES) -> None:
+        if max_entries < 0:
+            raise ValueError(f"anonymous prefixes: keep 0 or more, not {max_entries}")
         self.max_entries = max_entries
         self._entries: list[AgentCache] = []
 

@@ -30,6 +30,7 @@ from kvshelf.kv.schemes import scheme as kv_scheme_named
 from kvshelf.model.loader import LoadedModel, load
 from kvshelf.model.template import Message, ToolParser, native_tool_parser, validate_messages
 from kvshelf.paths import default_cache_dir
+from kvshelf.runtime.anonymous import MAX_ENTRIES as ANONYMOUS_ENTRIES
 from kvshelf.runtime.boundaries import message_boundaries
 from kvshelf.runtime.events import Event, Failed, Finished, Prefilled, Text
 from kvshelf.runtime.params import GenerationParams
@@ -84,6 +85,7 @@ class Engine:
         store: str | Path | None = None,
         shared: bool = False,
         node_id: str | None = None,
+        anonymous_prefixes: int = ANONYMOUS_ENTRIES,
     ) -> None:
         """``durable=True``: a turn's result is handed over only once its save has ended,
         and says whether it reached the disk (``ChatResult.saved``), so a returned turn
@@ -96,7 +98,11 @@ class Engine:
         once; every save is then conditional on the record this node last read or wrote
         (a refused one is answered ``saved: false`` and the agent's RAM copy dropped), and
         a RAM copy is reused only while the store still holds the record it came from.
-        ``node_id`` names this node in the records it writes (default: the host name)."""
+        ``node_id`` names this node in the records it writes (default: the host name).
+
+        ``anonymous_prefixes``: how many finished requests that name no agent keep their
+        cache in RAM for a later prompt that starts with the same tokens
+        (``kvshelf.runtime.anonymous``); 0 keeps none, so every such request starts cold."""
         location = parse_store(store if store is not None else cache_dir or default_cache_dir())
         if store is not None and cache_dir is not None and location.path is not None:
             raise ValueError("give a directory as cache_dir or as store, not both")
@@ -112,6 +118,7 @@ class Engine:
             self._scheme,
             budget=budget,
             durable=durable,
+            anonymous_prefixes=anonymous_prefixes,
             store=open_store(
                 location, self.loaded.fingerprint, shared=shared, node_id=node_id, cache_dir=self.cache_dir
             ),

@@ -39,6 +39,7 @@ from kvshelf.kv.record import CacheRecord, agent_cache_from_record, agent_record
 from kvshelf.kv.schemes import KVScheme
 from kvshelf.kv.shared import SharedPrefix
 from kvshelf.model.spec import ModelCacheSpec
+from kvshelf.runtime.anonymous import MAX_ENTRIES as ANONYMOUS_ENTRIES
 from kvshelf.runtime.anonymous import AnonymousPrefixes
 from kvshelf.runtime.iothread import IOThread
 from kvshelf.runtime.pool import BlockPool, Resident
@@ -92,6 +93,7 @@ class Shelf:
         budget: int | str | None = None,
         durable: bool = False,
         store: RecordStore | None = None,
+        anonymous_prefixes: int = ANONYMOUS_ENTRIES,
     ) -> None:
         """``store``: where the agents' records live (default: ``RecordStore(cache_dir,
         fingerprint)``); ``cache_dir`` holds the shared prefixes either way. A shared
@@ -103,7 +105,7 @@ class Shelf:
         self.store = store if store is not None else RecordStore(cache_dir, fingerprint)
         self.shared = SharedPrefixes(cache_dir, fingerprint, spec)
         self.pool = BlockPool(budget)
-        self.anonymous = AnonymousPrefixes()
+        self.anonymous = AnonymousPrefixes(anonymous_prefixes)
         """Requests that name no agent: RAM only, within what the named agents leave of the budget."""
         self.unsaved: set[AgentId] = set()
         """Resident agents whose last save failed: their record on disk is behind."""

@@ -47,6 +47,7 @@ from kvshelf.model.blas_check import announce as announce_blas
 from kvshelf.model.few_rows import blis_threads
 from kvshelf.model.loader import fingerprint_of
 from kvshelf.paths import default_cache_dir
+from kvshelf.runtime.anonymous import MAX_ENTRIES as ANONYMOUS_ENTRIES
 from kvshelf.runtime.engine import AgentInfo, ChatResult, Engine
 from kvshelf.runtime.params import GenerationParams
 from kvshelf.serving.completions import completion, events, model_id, prepare
@@ -533,6 +534,7 @@ def serve(
     shared: bool = False,
     node_id: str | None = None,
     drain_s: float = DRAIN_S_DEFAULT,
+    anonymous_prefixes: int = ANONYMOUS_ENTRIES,
 ) -> int:
     """Load the model and serve until SIGINT/SIGTERM; shutdown flushes pending saves.
 
@@ -554,6 +556,9 @@ def serve(
 
     ``node_id`` is also this node's ``X-KVShelf-Node`` (default ``<hostname>:<port>``). SIGTERM
     drains the node for ``drain_s`` seconds first (``kvshelf.serving.drain``).
+
+    ``anonymous_prefixes``: how many finished requests that name no agent keep their cache
+    in RAM for reuse (``Engine``; 0: none).
 
     Returns the exit status: 0 once everything is on disk, ``EXIT_UNSAVED`` when some
     agents' latest turns could not be saved (they are named in an error logged at
@@ -579,7 +584,16 @@ def serve(
         held = exclusive.claim(RecordStore(location.path, fingerprint_of(model)).directory)
     try:
         announce_blas()  # which BLAS MLX runs on (and the warning on the reference BLAS), before the slow load
-        engine = Engine(model, local, budget, durable=True, store=location.url, shared=shared, node_id=node_id)
+        engine = Engine(
+            model,
+            local,
+            budget,
+            durable=True,
+            store=location.url,
+            shared=shared,
+            node_id=node_id,
+            anonymous_prefixes=anonymous_prefixes,
+        )
     except BaseException:
         if held is not None:
             held.close()
