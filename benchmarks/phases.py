@@ -1,5 +1,6 @@
-"""The 5-phase scenario three ways: cold, persistent caches, and persistent caches with
-a shared preamble and prefill ahead (see ``kvbench.phases``).
+"""The 5-phase scenario four ways: cold (no cache at all), anonymous requests (RAM prefix
+reuse), persistent caches, and persistent caches with a shared preamble and prefill ahead
+(see ``kvbench.phases``).
 
     python benchmarks/phases.py [--quick] [--model embedded] [--max-tokens N]
 """

@@ -11,7 +11,8 @@ Run it twice: the second run finds all four agents on disk and restores them (wa
     python examples/phases.py [--max-tokens 24] [--cache-dir DIR] [--fresh]
 
 This file is the scenario's one home: ``play`` runs it in any of ``MODES``, and
-``kvshelf bench`` (benchmarks/kvbench/phases.py) loads this file to time all three.
+``kvshelf bench`` (benchmarks/kvbench/phases.py) loads this file to time them all, each on
+the engine ``engine_for`` makes for it.
 """
 
 from __future__ import annotations
@@ -20,11 +21,12 @@ import argparse
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from kvshelf.runtime.engine import Engine
 
-MODES = ("cold", "persistent", "persistent+ahead+shared")
+MODES = ("cold", "anonymous", "persistent", "persistent+ahead+shared")
 
 CASE_FILE = """CASE FILE 7741: the disappearance of the Harbour Museum's silver astrolabe.
 
@@ -128,6 +130,15 @@ class Transcript:
         return self.seen_by(agent) + [{"role": "user", "content": f"Moderator: {NAMES[agent]}, your turn."}]
 
 
+def engine_for(mode: str, model: str | Path, cache_dir: str | Path | None, **options: Any) -> Engine:
+    """The engine ``mode`` is played on: ``cold``'s keeps no anonymous prefixes."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}")
+    if mode == "cold":
+        options["anonymous_prefixes"] = 0
+    return Engine(model, cache_dir, **options)
+
+
 def next_speaker(phase_index: int, turn_index: int) -> str | None:
     """Who speaks after this turn (in this phase, or first in the next)."""
     speakers = PHASES[phase_index][2]
@@ -147,14 +158,19 @@ def play(
 ) -> dict[str, Any]:
     """Play the five phases once on ``engine`` in ``mode``; returns turns and timings.
 
-    ``cold``: every turn is an ephemeral request (nothing kept). ``persistent``: one
+    ``cold`` and ``anonymous``: every turn is a request that names no agent, so nothing
+    is persisted; on ``engine_for``'s engines, ``cold`` keeps nothing at all (every
+    prompt from its first token, the baseline without caches) and ``anonymous`` reuses
+    the RAM caches of recent anonymous requests where a prompt starts with their exact
+    tokens (``kvshelf.runtime.anonymous``: what a framework client that sends no agent
+    id gets). ``persistent``: one
     agent id per role, so each turn reuses the agent's cache. The third mode also
     prefills the case file once and forks it to the four agents, and after every message
     queues ``prefill_ahead`` for the next speaker while the current one speaks.
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}")
-    persistent, ahead = mode != "cold", mode == MODES[2]
+    persistent, ahead = mode.startswith("persistent"), mode == "persistent+ahead+shared"
     ids = {role: f"{namespace}-{role}" for role in ROLES}
     transcript = Transcript(case_file)
     turns: list[Turn] = []
@@ -247,7 +263,7 @@ def main() -> None:
         )
 
     t0 = time.perf_counter()
-    result = play(engine, MODES[2], max_tokens=args.max_tokens, namespace=NAMESPACE, on_turn=show)
+    result = play(engine, "persistent+ahead+shared", max_tokens=args.max_tokens, namespace=NAMESPACE, on_turn=show)
     engine.flush()
     shared = {pid: len(users) for pid, users in engine.shared_prefixes().items()}
     print(

@@ -2,9 +2,8 @@
 
 The bench runs as a user runs it (the CLI in its own process), on a random-weight
 llama directory with tiny sizes. Every section but the phases scenario is included
-(that one plays 3 modes x 5 phases, minutes even on a tiny model, and has its own
-tests); the peer comparison really starts ``kvshelf serve`` and ``mlx_lm.server``
-twice each.
+(that one plays 4 modes x 5 phases, minutes even on a tiny model); the peer comparison
+really starts ``kvshelf serve`` and ``mlx_lm.server`` twice each.
 """
 
 from __future__ import annotations

@@ -1,9 +1,10 @@
-"""The 5-phase interrogation scenario, timed cold, with persistent caches, and with
-persistent caches plus a shared preamble and prefill ahead.
+"""The 5-phase interrogation scenario, timed cold (no cache at all), on anonymous requests
+(RAM prefix reuse), with persistent caches, and with persistent caches plus a shared
+preamble and prefill ahead.
 
 The scenario itself (case file, roles, phases, ``play``) belongs to the example that
 shows it to users, examples/phases.py; this module loads that file by path (examples
-are scripts, not a package) and only adds ``run``: all three modes in one process, and
+are scripts, not a package) and only adds ``run``: every mode in one process, and
 the table for ``kvshelf bench`` (benchmarks/phases.py writes it as JSON).
 """
 
@@ -47,10 +48,8 @@ play = scenario.play
 
 
 def run(out_dir: Path, quick: bool, model: str = "embedded", max_tokens: int | None = None) -> dict[str, Any]:
-    """All three modes in one process, each on a fresh cache directory; the table has
+    """Every mode in one process, each on a fresh cache directory; the table has
     one row per phase with each mode's mean TTFT, then a total row of wall times."""
-    from kvshelf.runtime.engine import Engine
-
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     case_file = CASE_FILE.split("\n\nPhysical evidence.")[0] if quick else CASE_FILE
@@ -58,7 +57,7 @@ def run(out_dir: Path, quick: bool, model: str = "embedded", max_tokens: int | N
     runs = {}
     with tempfile.TemporaryDirectory(prefix="kvshelf-phases-") as scratch:
         for mode in MODES:
-            engine = Engine(model, Path(scratch) / mode.replace("+", "-"), progress=False)
+            engine = scenario.engine_for(mode, model, Path(scratch) / mode.replace("+", "-"), progress=False)
             try:
                 engine.chat(None, [{"role": "user", "content": "warm up"}], max_tokens=2)
                 runs[mode] = play(engine, mode, case_file=case_file, max_tokens=max_tokens)
@@ -83,8 +82,9 @@ def run(out_dir: Path, quick: bool, model: str = "embedded", max_tokens: int | N
         "title": "Phases: the 5-phase interrogation scenario",
         "description": (
             f"4 agents, 5 phases, {sum(len(p[2]) for p in PHASES)} turns of up to {max_tokens} tokens on {model}; "
-            "the same scenario cold (no cache), with persistent per-agent caches, and with persistent caches "
-            "plus the case file prefilled once and forked, and listeners prefilled ahead. TTFT is the mean per turn."
+            "the same scenario cold (no cache at all), on anonymous requests (RAM prefix reuse across requests "
+            "that name no agent), with persistent per-agent caches, and with persistent caches plus the case "
+            "file prefilled once and forked, and listeners prefilled ahead. TTFT is the mean per turn."
         ),
         "table": table,
         "speedup_vs_cold": {mode: round(cold / runs[mode]["wall_s"], 2) for mode in MODES},
