@@ -321,7 +321,7 @@ def test_shape_invariant_logits_hold_on_the_embedded_models_real_shapes(embedded
     """The same on Gemma 3 270M, whose projections (640 wide, up to 262,144 rows) are larger
     than the size thresholds at which BLIS and OpenBLAS change kernels; the tiny models'
     are not, so only this catches kernels that change with the row count on this CPU."""
-    assert_rows_invariant(embedded_loaded, np.random.default_rng(9).integers(1000, 30000, 300).tolist())
+    assert_rows_invariant(embedded_loaded, np.random.default_rng(9).integers(1000, 30000, 200).tolist())
 
 
 def assert_rows_invariant(loaded, ids: list[int]) -> None:
@@ -352,10 +352,11 @@ def assert_rows_invariant(loaded, ids: list[int]) -> None:
     token = int(whole[-1].argmax())
     alone = feed(whole_cache.fork(), [token])
     other = AgentCache.empty(loaded.spec)
-    feed(other, ids[:170])
+    others = min(170, n * 3 // 5)  # a length of its own, shorter than this agent's
+    feed(other, ids[:others])
     members = [whole_cache.fork(), other]
     step = WorkingSets().caches(["a", "b"], [m.layers for m in members])
-    batched = fast(mx.array([[token], [ids[170]]]), cache=step)
+    batched = fast(mx.array([[token], [ids[others]]]), cache=step)
     assert np.array_equal(np.array(batched[0]), alone)
 
 
