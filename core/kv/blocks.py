@@ -46,6 +46,9 @@ QUANTIZED_ATTENTION_MAX_QUERY = 1
 SCALE_DTYPE = mx.float16
 
 QTriple = tuple[mx.array, mx.array, mx.array]
+# New rows' at-rest codes (``QuantizedLayerCache.code_rows``): keys (None where keys wait
+# in fp16 until their block is full) and values.
+Codes = tuple[QTriple | None, QTriple]
 
 _NO_STATE = (
     "a kvshelf KV cache cannot be saved or loaded through mlx-lm's cache state "
@@ -202,20 +205,30 @@ class QuantizedLayerCache(PackedFetch, _BaseCache):
         self.append(keys, values)
         return self.fetch(dense_dtype=keys.dtype, queries=keys.shape[2])
 
-    def append(self, keys: mx.array, values: mx.array) -> None:
-        """Store new tokens without fetching (a decode working set reads only the new rows)."""
+    def append(self, keys: mx.array, values: mx.array, codes: Codes | None = None) -> None:
+        """Store new tokens without fetching (a decode working set reads only the new rows).
+
+        ``codes``: ``code_rows(keys, values)``, when the caller has them already (a decode
+        step codes its members' new rows once, together)."""
         n = keys.shape[2]
         self._make_room(self.start_after(n), n, keys, values)
-        self._write(keys, values, self.used - self.base_rows)
+        self._write(keys, values, self.used - self.base_rows, codes or self.code_rows(keys, values))
         self.offset += n
 
-    def _write(self, keys: mx.array, values: mx.array, used: int) -> None:
+    def code_rows(self, keys: mx.array, values: mx.array) -> Codes:
+        """The at-rest codes of new rows: keys and values, each row coded on its own, so
+        the codes of several agents' rows, sliced, are each agent's own."""
+        return self._quantize(keys), self._quantize(values)
+
+    def _write(self, keys: mx.array, values: mx.array, used: int, codes: Codes) -> None:
         """Store new tokens at own-buffer rows ``used..used+n`` (room is already made).
 
         The base is whole blocks, so ``used`` and the row count agree modulo a block."""
         n = keys.shape[2]
         assert self.keys is not None and self.values is not None  # _make_room allocated them
-        for buf, new in ((self.keys, self._quantize(keys)), (self.values, self._quantize(values))):
+        key_codes, value_codes = codes
+        assert key_codes is not None  # row-coded keys
+        for buf, new in ((self.keys, key_codes), (self.values, value_codes)):
             for part, x in zip(buf, new, strict=True):
                 part[..., used : used + n, :] = x
 
@@ -261,11 +274,15 @@ class QuantizedLayerCache(PackedFetch, _BaseCache):
             return k, v
         return self._dequantize(k, dtype), self._dequantize(v, dtype)
 
-    def coded_rows(self, keys: mx.array, values: mx.array, dtype: mx.Dtype, dense: bool = False) -> tuple[Any, Any]:
+    def coded_rows(
+        self, keys: mx.array, values: mx.array, dtype: mx.Dtype, dense: bool = False, codes: Codes | None = None
+    ) -> tuple[Any, Any]:
         """What ``attention_rows`` returns for ``keys``/``values`` once they are appended,
-        computed from them directly: coding is row by row, so one call serves the new rows
-        of a whole decode batch. Exact unless ``own_rows_at`` says otherwise."""
-        k, v = self._quantize(keys), self._quantize(values)
+        computed from them (or from their ``codes``, ``code_rows``'s) directly: coding is
+        row by row, so one call serves the new rows of a whole decode batch. Exact unless
+        ``own_rows_at`` says otherwise."""
+        k, v = codes or self.code_rows(keys, values)
+        assert k is not None  # row-coded keys
         if self.QUANTIZED_DECODE and not dense:
             return k, v
         return self._dequantize(k, dtype), self._dequantize(v, dtype)

@@ -37,7 +37,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from kvshelf.kv.blocks import SCALE_DTYPE, LayerRows, QTriple, QuantizedLayerCache, SharedLayer, each
+from kvshelf.kv.blocks import SCALE_DTYPE, Codes, LayerRows, QTriple, QuantizedLayerCache, SharedLayer, each
 from kvshelf.model.spec import BLOCK_TOKENS, LayerSpec
 
 FP16 = mx.float16
@@ -117,7 +117,14 @@ class SchemeLayerCache(QuantizedLayerCache):
     def _code(self, x: mx.array, rotate: bool) -> QTriple:
         return self._quantize(_rotate(x) if rotate else x)
 
-    def _write(self, keys: mx.array, values: mx.array, used: int) -> None:
+    def code_rows(self, keys: mx.array, values: mx.array) -> Codes:
+        """Values coded row by row (rotated first if the scheme says so); keys too, unless
+        they are per-channel, which wait in the fp16 tail until their block is full."""
+        sch = self.scheme
+        key_codes = None if sch.channel_keys else self._code(keys, sch.rotate_keys)
+        return key_codes, self._code(values, sch.rotate_values)
+
+    def _write(self, keys: mx.array, values: mx.array, used: int, codes: Codes) -> None:
         n, sch = keys.shape[2], self.scheme
         if sch.sinks and self.offset < sch.sinks:
             take = sch.sinks - self.offset
@@ -125,10 +132,11 @@ class SchemeLayerCache(QuantizedLayerCache):
             self.sink_k = new_k if self.sink_k is None else mx.concatenate([self.sink_k, new_k], axis=2)
             self.sink_v = new_v if self.sink_v is None else mx.concatenate([self.sink_v, new_v], axis=2)
         assert self.keys is not None and self.values is not None  # _make_room allocated them
-        for part, x in zip(self.values, self._code(values, sch.rotate_values), strict=True):
+        key_codes, value_codes = codes
+        for part, x in zip(self.values, value_codes, strict=True):
             part[..., used : used + n, :] = x
-        if not sch.channel_keys:
-            for part, x in zip(self.keys, self._code(keys, sch.rotate_keys), strict=True):
+        if key_codes is not None:
+            for part, x in zip(self.keys, key_codes, strict=True):
                 part[..., used : used + n, :] = x
             return
         tail = used % BLOCK_TOKENS  # the buffer starts on a block boundary
@@ -300,13 +308,16 @@ class SchemeLayerCache(QuantizedLayerCache):
             k = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=2)
         return self._sink_rows(k, self.sink_k, lo, hi), self._sink_rows(v, self.sink_v, lo, hi)
 
-    def coded_rows(self, keys: mx.array, values: mx.array, dtype: mx.Dtype, dense: bool = False) -> tuple[Any, Any]:
+    def coded_rows(
+        self, keys: mx.array, values: mx.array, dtype: mx.Dtype, dense: bool = False, codes: Codes | None = None
+    ) -> tuple[Any, Any]:
         sch = self.scheme
-        v = self._dequantize(self._code(values, sch.rotate_values), dtype)
+        key_codes, value_codes = codes or self.code_rows(keys, values)
+        v = self._dequantize(value_codes, dtype)
         v = _rotate(v) if sch.rotate_values else v
-        if sch.channel_keys:  # a new key waits in the fp16 tail
+        if key_codes is None:  # a new key waits in the fp16 tail
             return keys.astype(FP16).astype(dtype), v
-        k = self._dequantize(self._code(keys, sch.rotate_keys), dtype)
+        k = self._dequantize(key_codes, dtype)
         return (_rotate(k) if sch.rotate_keys else k), v
 
     def own_rows_at(self, position: int) -> bool:

@@ -47,7 +47,7 @@ from typing import Any
 import mlx.core as mx
 
 from kvshelf.kv.batch import BatchLayerView
-from kvshelf.kv.blocks import QuantizedLayerCache
+from kvshelf.kv.blocks import Codes, QuantizedLayerCache
 from kvshelf.switches import env_on
 
 # Free columns added whenever a buffer fills up: a grow copies the buffer, so it comes
@@ -80,6 +80,13 @@ def _fetched(rows: Rows) -> Any:
 def _visible(m: QuantizedLayerCache) -> int:
     """How many of ``m``'s rows the next token's step keeps (its window may move on)."""
     return m.offset - m.start_after(1)
+
+
+def _member_codes(codes: Codes, b: int) -> Codes:
+    """Member ``b``'s rows of a decode step's codes."""
+    keys, values = codes
+    row = lambda q: (q[0][b : b + 1], q[1][b : b + 1], q[2][b : b + 1])  # noqa: E731
+    return (row(keys) if keys is not None else None), row(values)
 
 
 def _place(x: mx.array, width: int, capacity: int) -> mx.array:
@@ -140,11 +147,16 @@ class DecodeLayer(BatchLayerView):
         assert kbuf is not None and vbuf is not None
         olds = [m.offset for m in self.members]
         stables = [m.stable_until for m in self.members]  # where each member's open key block starts
-        for b, m in enumerate(self.members):
-            m.append(keys[b : b + 1], values[b : b + 1])
-        # Every member's new row at once: coding is row by row, so this is what each
-        # member's own ``attention_rows`` of that row would give.
-        new_k, new_v = (_rows(x) for x in self.members[0].coded_rows(keys, values, keys.dtype, self._dense))
+        # Every member's new row coded at once: coding is row by row, so a member's slice is
+        # what its own append would store, and what its own ``attention_rows`` of that row
+        # would give back.
+        codes = self.members[0].code_rows(keys, values)
+        if len(self.members) == 1:
+            self.members[0].append(keys, values, codes)
+        else:
+            for b, m in enumerate(self.members):
+                m.append(keys[b : b + 1], values[b : b + 1], _member_codes(codes, b))
+        new_k, new_v = (_rows(x) for x in self.members[0].coded_rows(keys, values, keys.dtype, self._dense, codes))
         col = self.end
         self._write(kbuf, slice(None), col, list(new_k))
         self._write(vbuf, slice(None), col, list(new_v))
