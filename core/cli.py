@@ -49,6 +49,11 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--budget", default=None, help="RAM budget for resident caches, e.g. 2GB (default: no limit)")
 
 
+# ``kvshelf.runtime.anonymous.MAX_ENTRIES``, which this module does not import (it loads
+# MLX, and ``--help`` should not); tests/test_cli.py checks that the two agree.
+ANONYMOUS_PREFIXES = 8
+
+
 def _count(text: str) -> int:
     """An argument that counts something: a whole number, 0 or more."""
     try:
@@ -119,10 +124,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--anonymous-prefixes",
         type=_count,
-        default=None,
+        default=ANONYMOUS_PREFIXES,
         metavar="N",
         help="requests that name no agent: keep the caches of the last N in RAM, reused where a new prompt "
-        "starts with the same tokens (0: every such request starts cold; default: kvshelf.runtime.anonymous's)",
+        "starts with the same tokens (0: every such request starts cold)",
     )
     _log_level(serve, "info")
 
@@ -196,7 +201,7 @@ def _command(argv: list[str]) -> int:
                 store=args.store,
                 shared=args.shared,
                 node_id=args.node_id,
-                **({} if args.anonymous_prefixes is None else {"anonymous_prefixes": args.anonymous_prefixes}),
+                anonymous_prefixes=args.anonymous_prefixes,
             )
         except (DirectoryInUse, StoreUnusable) as exc:  # refused before the model was loaded
             print(f"kvshelf serve: {exc}", file=sys.stderr)

@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import kvshelf
+from kvshelf.runtime.anonymous import MAX_ENTRIES
 from tests.support import REPO_ROOT
 
 
@@ -28,6 +29,10 @@ def test_version_and_defaults_in_help():
     assert "(default: 2)" in demo and "(default: 48)" in demo and "--log-level" in demo
     serve = " ".join(kvshelf_cli("serve", "--help").stdout.split())
     assert "(default: 8000)" in serve and "(default: 127.0.0.1)" in serve and "(default: info)" in serve
+    assert "--anonymous-prefixes N requests that name no agent: keep the caches of the last N" in serve
+    assert f"starts cold) (default: {MAX_ENTRIES})" in serve
+    refused = kvshelf_cli("serve", "--anonymous-prefixes", "-1")
+    assert refused.returncode == 2 and "expected a whole number, 0 or more, not '-1'" in refused.stderr
 
 
 def test_doctor_reports_the_blas_it_measured(tmp_path):
