@@ -163,10 +163,10 @@ def play(
     prompt from its first token, the baseline without caches) and ``anonymous`` reuses
     the RAM caches of recent anonymous requests where a prompt starts with their exact
     tokens (``kvshelf.runtime.anonymous``: what a framework client that sends no agent
-    id gets). ``persistent``: one
-    agent id per role, so each turn reuses the agent's cache. The third mode also
-    prefills the case file once and forks it to the four agents, and after every message
-    queues ``prefill_ahead`` for the next speaker while the current one speaks.
+    id gets). ``persistent``: one agent id per role, so each turn reuses the agent's
+    cache. ``persistent+ahead+shared`` also prefills the case file once and forks it to
+    the four agents, and after every message queues ``prefill_ahead`` for the next
+    speaker while the current one speaks.
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}")

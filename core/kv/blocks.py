@@ -212,7 +212,8 @@ class QuantizedLayerCache(PackedFetch, _BaseCache):
         step codes its members' new rows once, together)."""
         n = keys.shape[2]
         self._make_room(self.start_after(n), n, keys, values)
-        self._write(keys, values, self.used - self.base_rows, codes or self.code_rows(keys, values))
+        codes = codes if codes is not None else self.code_rows(keys, values)
+        self._write(keys, values, self.used - self.base_rows, codes)
         self.offset += n
 
     def code_rows(self, keys: mx.array, values: mx.array) -> Codes:
@@ -281,7 +282,7 @@ class QuantizedLayerCache(PackedFetch, _BaseCache):
         computed from them (or from their ``codes``, ``code_rows``'s) directly: coding is
         row by row, so one call serves the new rows of a whole decode batch. Exact unless
         ``own_rows_at`` says otherwise."""
-        k, v = codes or self.code_rows(keys, values)
+        k, v = codes if codes is not None else self.code_rows(keys, values)
         assert k is not None  # row-coded keys
         if self.QUANTIZED_DECODE and not dense:
             return k, v

@@ -312,7 +312,7 @@ class SchemeLayerCache(QuantizedLayerCache):
         self, keys: mx.array, values: mx.array, dtype: mx.Dtype, dense: bool = False, codes: Codes | None = None
     ) -> tuple[Any, Any]:
         sch = self.scheme
-        key_codes, value_codes = codes or self.code_rows(keys, values)
+        key_codes, value_codes = codes if codes is not None else self.code_rows(keys, values)
         v = self._dequantize(value_codes, dtype)
         v = _rotate(v) if sch.rotate_values else v
         if key_codes is None:  # a new key waits in the fp16 tail

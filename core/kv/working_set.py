@@ -47,7 +47,7 @@ from typing import Any
 import mlx.core as mx
 
 from kvshelf.kv.batch import BatchLayerView
-from kvshelf.kv.blocks import Codes, QuantizedLayerCache
+from kvshelf.kv.blocks import Codes, QuantizedLayerCache, each
 from kvshelf.switches import env_on
 
 # Free columns added whenever a buffer fills up: a grow copies the buffer, so it comes
@@ -85,8 +85,8 @@ def _visible(m: QuantizedLayerCache) -> int:
 def _member_codes(codes: Codes, b: int) -> Codes:
     """Member ``b``'s rows of a decode step's codes."""
     keys, values = codes
-    row = lambda q: (q[0][b : b + 1], q[1][b : b + 1], q[2][b : b + 1])  # noqa: E731
-    return (row(keys) if keys is not None else None), row(values)
+    row = lambda x: x[b : b + 1]  # noqa: E731
+    return (each(keys, row) if keys is not None else None), each(values, row)
 
 
 def _place(x: mx.array, width: int, capacity: int) -> mx.array:
@@ -151,11 +151,8 @@ class DecodeLayer(BatchLayerView):
         # what its own append would store, and what its own ``attention_rows`` of that row
         # would give back.
         codes = self.members[0].code_rows(keys, values)
-        if len(self.members) == 1:
-            self.members[0].append(keys, values, codes)
-        else:
-            for b, m in enumerate(self.members):
-                m.append(keys[b : b + 1], values[b : b + 1], _member_codes(codes, b))
+        for b, m in enumerate(self.members):
+            m.append(keys[b : b + 1], values[b : b + 1], _member_codes(codes, b))
         new_k, new_v = (_rows(x) for x in self.members[0].coded_rows(keys, values, keys.dtype, self._dense, codes))
         col = self.end
         self._write(kbuf, slice(None), col, list(new_k))
