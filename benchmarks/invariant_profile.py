@@ -95,7 +95,7 @@ def clocked_forward(model: Any, clock: Clock) -> ProjectedModel:
     fast = with_fast_head(model)
     sgemv = system_sgemv()
     assert isinstance(fast, ProjectedModel) and sgemv is not None
-    body = invariant_attention_body(gemv_body(model.model, sgemv, clock, all_rows=True))
+    body = invariant_attention_body(gemv_body(model.model, sgemv, clock, all_rows=True, plans=False))
     return ProjectedModel(model, fast._project, fast._head, sgemv, body=body, all_rows=True)
 
 
@@ -113,6 +113,7 @@ def profile(name: str, tokens: int, steps: int, only: list[str] | None = None) -
         "attention only": with_fast_linears(model, all_rows=False, attention=True),
         "projections only": with_fast_linears(model, all_rows=True, attention=False),
         "invariant": with_fast_linears(model, all_rows=True, attention=True),
+        "invariant (sgemv rows)": with_fast_linears(model, all_rows=True, attention=True, plans=False),
     }
     clock = Clock(weight_names(model))
     variants["invariant, clocked"] = clocked_forward(model, clock)

@@ -9,8 +9,10 @@ Gemma 3 at 38.5 ms through MLX and 19.2 ms through ``cblas_sgemv`` (load 1.1-1.3
 
 ``gemv_body`` builds a second module tree over the same arrays (nothing is copied but
 the small module objects), in which every plain fp32 ``nn.Linear`` without a bias is a
-``GemvLinear``: with ``all_rows`` (the shape-invariant kernels) every row to its own
-``sgemv`` (``kvshelf.model.sgemv.each_row``); otherwise 2..16 rows go to BLIS (where
+``GemvLinear``: with ``all_rows`` (the shape-invariant kernels) every call through MLX's
+own matmul as ``kvshelf.model.row_plan`` lays it out (each row with its one-row product's
+bits), or, for a weight shape without a plan, every row to its own ``sgemv``
+(``kvshelf.model.sgemv.each_row``); otherwise 2..16 rows go to BLIS (where
 installed, and only with ``batches``: off by default, see ``kvshelf.model.few_rows``), one
 row to ``sgemv`` only with ``one_row`` (off by default: see ``ONE_ROW_SGEMV``), and anything
 else is the wrapped layer's own call, bit for bit. The model itself is not changed, so the plain model (what
@@ -40,6 +42,7 @@ from kvshelf.model.few_rows import MAX_FEW_ROWS, Gemm, batches_through_blis, gem
 from kvshelf.model.grouped_attention import grouped_attention_body
 from kvshelf.model.head import ProjectedModel, buffer_view, dot_error_bound, with_fast_head
 from kvshelf.model.module_tree import with_children
+from kvshelf.model.row_plan import RowPlan, measure
 from kvshelf.model.sgemv import Sgemv, each_row, system_sgemv
 from kvshelf.switches import ON, env_on
 
@@ -52,13 +55,15 @@ from kvshelf.switches import ON, env_on
 ONE_ROW_SGEMV = False
 
 # Whether every projection (the layers' and the head's), of any number of rows (a decode step
-# of 1..16 agents, a prefill chunk), runs as one sgemv per row (``kvshelf.model.sgemv.each_row``),
-# so that a row's bits are those of that row alone (checked at load: a row of a product of up
-# to 600 rows equals that row alone, bit for bit), where OpenBLAS's sgemm picks another kernel
-# by shape (a row of a 16-, 32- or 48-row product differs from the 1-row one in the last bits,
-# and MLX's matmuls are OpenBLAS's). Until 2026-12-02 these rows went through BLIS's
-# small-matrix product, which is row-invariant too but computes a decode step's 1-6 rows as
-# slowly as six (``each_row`` has the figures).
+# of 1..16 agents, a prefill chunk), runs so that a row's bits are those of that row alone,
+# where OpenBLAS's sgemm picks another kernel by shape (a row of a 16-, 32- or 48-row product
+# differs from the 1-row one in the last bits, and MLX's matmuls are OpenBLAS's): the layers'
+# through MLX's matmul laid out by ``kvshelf.model.row_plan`` (since 2026-12-03; prefill 25-27%
+# faster than before, ``benchmarks/invariant_profile.py``), the head and any layer shape
+# without a plan as one sgemv per row (``kvshelf.model.sgemv.each_row``; checked at load: a row
+# of a product of up to 600 rows equals that row alone, bit for bit). Until 2026-12-02 these
+# rows went through BLIS's small-matrix product, which is row-invariant too but computes a
+# decode step's 1-6 rows as slowly as six (``each_row`` has the figures).
 # So a token's K/V and logits no longer depend on how many rows were computed with it;
 # what still does is attention (MLX's kernels, ~2e-7): ``kvshelf.model.attention``. Off by
 # default for sampling (see benchmarks/invariance.py for what it changes and costs);
@@ -84,11 +89,20 @@ class GemvLinear(nn.Module):
     (BLIS's skinny-matrix product, ``kvshelf.model.few_rows``), or, ``all_rows``, calls of
     any number of rows (the shape-invariant kernels: ``gemm`` is then ``each_row``'s).
 
+    With ``all_rows`` and a ``plan`` for its weight's shape (``kvshelf.model.row_plan``),
+    every call runs in MLX's graph instead, each row with the bits of MLX's one-row product.
+
     The wrapped layer is a child, so its weight is this module's parameter too (shared,
     not copied): weights loaded into the model later are the ones used."""
 
     def __init__(
-        self, linear: nn.Linear, sgemv: Sgemv, gemm: Gemm | None = None, one_row: bool = True, all_rows: bool = False
+        self,
+        linear: nn.Linear,
+        sgemv: Sgemv,
+        gemm: Gemm | None = None,
+        one_row: bool = True,
+        all_rows: bool = False,
+        plan: RowPlan | None = None,
     ) -> None:
         super().__init__()
         self.linear = linear
@@ -96,6 +110,7 @@ class GemvLinear(nn.Module):
         self._gemm = gemm
         self._one_row = one_row  # send a single row to sgemv (else MLX's own call)
         self._all_rows = all_rows and gemm is not None  # every row count through gemm (SHAPE_INVARIANT)
+        self._plan = plan if self._all_rows else None
 
     def gemv(self, x: mx.array) -> mx.array:
         """``x @ W.T`` for one row ``x`` (any leading shape of size 1) through sgemv."""
@@ -104,7 +119,10 @@ class GemvLinear(nn.Module):
         return mx.array(y).reshape(*x.shape[:-1], weight.shape[0])
 
     def few_rows(self, x: mx.array) -> mx.array:
-        """``x @ W.T`` for several rows through ``gemm``."""
+        """``x @ W.T`` for several rows through the plan, else ``gemm``."""
+        if self._plan is not None:
+            rows = self._plan.matmul(x.reshape(-1, x.shape[-1]), self.linear["weight"])
+            return rows.reshape(*x.shape[:-1], -1)
         assert self._gemm is not None
         weight = buffer_view(self.linear["weight"])
         y = self._gemm(buffer_view(x.astype(mx.float32)).reshape(-1, x.shape[-1]), weight)
@@ -169,13 +187,16 @@ def gemv_body(
     one_row: bool = True,
     all_rows: bool = False,
     checked: dict[tuple, bool] | None = None,
+    plans: bool = True,
 ) -> nn.Module:
     """A copy of ``module``'s module tree over the same arrays, with every eligible
     ``nn.Linear`` a ``GemvLinear`` (those that pass the probe, once per weight shape;
-    ``wrapped`` collects them)."""
+    ``wrapped`` collects them). With ``all_rows`` and ``plans``, each layer whose weight's
+    shape has a ``kvshelf.model.row_plan`` runs through it rather than through ``gemm``."""
     checked = {} if checked is None else checked
     if _eligible(module):
-        layer = GemvLinear(module, sgemv, gemm, one_row, all_rows)  # type: ignore[arg-type]
+        plan = measure(module["weight"]) if all_rows and plans else None
+        layer = GemvLinear(module, sgemv, gemm, one_row, all_rows, plan)  # type: ignore[arg-type]
         if _agrees(layer, checked):
             if wrapped is not None:
                 wrapped.append(layer)
@@ -183,7 +204,7 @@ def gemv_body(
         return module
     if not module.children():  # a leaf that stays as it is (a norm, an embedding, a biased linear)
         return module
-    return with_children(module, lambda m: gemv_body(m, sgemv, gemm, wrapped, one_row, all_rows, checked))
+    return with_children(module, lambda m: gemv_body(m, sgemv, gemm, wrapped, one_row, all_rows, checked, plans))
 
 
 def with_fast_linears(
@@ -194,11 +215,13 @@ def with_fast_linears(
     attention: bool | None = None,
     head: nn.Module | ProjectedModel | None = None,
     grouped: bool = GROUPED_DECODE,
+    plans: bool = True,
 ) -> nn.Module | ProjectedModel:
     """``with_fast_head(model)`` whose body also runs its batch-1 projections through sgemv
     (``one_row``) and a decode batch's through BLIS (``batches``; None: ``few_rows``'s default),
-    or (``all_rows``, None: ``SHAPE_INVARIANT``) every row of every projection as its own
-    sgemv (``kvshelf.model.sgemv.each_row``: a row's bits independent of the others).
+    or (``all_rows``, None: ``SHAPE_INVARIANT``) every row of every projection with bits
+    independent of the others: through ``kvshelf.model.row_plan`` where its weight's shape
+    has a plan (and ``plans``), else as its own sgemv (``kvshelf.model.sgemv.each_row``).
     ``attention`` (None: ``SHAPE_INVARIANT``): every attention module of a known shape runs
     ``kvshelf.model.attention.invariant_attention`` (rows independent of the call's shape,
     each KV head read once for its query heads); otherwise, ``grouped``, decode steps' attention
@@ -224,7 +247,7 @@ def with_fast_linears(
         if gemm is not None and not _split_invariant(gemm):  # column parts not the one call's bits: one call
             gemm = gemm_uncut
     wrapped: list[GemvLinear] = []
-    body = gemv_body(model.model, sgemv, gemm, wrapped, one_row, all_rows)
+    body = gemv_body(model.model, sgemv, gemm, wrapped, one_row, all_rows, plans=plans)
     if not wrapped:
         return _with_attention(fast, invariant, grouped)
     probe = mx.array([[(5 * i + 3) % 97 for i in range(MAX_FEW_ROWS + 1)]])

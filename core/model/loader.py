@@ -71,9 +71,10 @@ class LoadedModel:
     @cached_property
     def greedy_forward(self) -> nn.Module | ProjectedModel:
         """What to call for a request at temperature 0 (or a prefill only): ``forward`` with
-        the shape-invariant kernels (each row of every projection its own sgemv, every
-        attention ``kvshelf.model.attention``), so its reply does not depend on the chunking,
-        the batch or the path its cache took (issue 21). ``forward`` itself where that is
+        the shape-invariant kernels (each row of every projection with its bits alone,
+        through ``kvshelf.model.row_plan`` or its own sgemv; every attention
+        ``kvshelf.model.attention``), so its reply does not depend on the chunking, the
+        batch or the path its cache took (issue 21). ``forward`` itself where that is
         invariant already (``KVSHELF_SHAPE_INVARIANT=1``) or where it is turned off (``=0``).
         Built once, over the same weights, when a scheduler starts (its load-time checks
         are then not paid by the first request)."""

@@ -5,9 +5,10 @@
 weights: one row at the BLAS's real speed, where MLX's CPU backend runs every matmul as
 ``sgemm`` (``kvshelf.model.head`` says what that costs the output projection).
 
-``each_row`` is the product the shape-invariant kernels stand on
-(``kvshelf.model.gemv.SHAPE_INVARIANT``): ``x @ weight.T`` as one sgemv per row of ``x``, so
-each row's bits are sgemv's of that row alone, whatever the number of rows.
+``each_row`` is the shape-invariant kernels' product (``kvshelf.model.gemv.SHAPE_INVARIANT``)
+for the head and for layer shapes without a ``kvshelf.model.row_plan``: ``x @ weight.T`` as
+one sgemv per row of ``x``, so each row's bits are sgemv's of that row alone, whatever the
+number of rows.
 
 Why not one product of all rows: OpenBLAS's sgemm rounds a row by the product's shape
 (``tests/test_shape_invariant.py``), and BLIS's small-matrix product, whose rows are
