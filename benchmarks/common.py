@@ -34,3 +34,20 @@ def median_ms(fn: Callable[[], Any], repeats: int, warmup: int = 2) -> float:
         if i >= warmup:
             times.append((time.perf_counter() - t) * 1e3)
     return statistics.median(times)
+
+
+def interleaved_times(
+    kernels: dict[str, Callable[[Any], Any]], inputs: dict[int, Any], repeats: int
+) -> dict[tuple[str, int], list[float]]:
+    """ms of every kernel on every input, by (kernel, input key): ``repeats`` rounds, each
+    kernel once on each input a round, after one untimed round that warms them all up; so
+    a burst of other work spoils a few samples of each rather than all of one."""
+    times: dict[tuple[str, int], list[float]] = {(k, r): [] for k in kernels for r in inputs}
+    for i in range(repeats + 1):
+        for r, x in inputs.items():
+            for k, fn in kernels.items():
+                t = time.perf_counter()
+                fn(x)
+                if i:
+                    times[(k, r)].append((time.perf_counter() - t) * 1e3)
+    return times

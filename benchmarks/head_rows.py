@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import time
 from collections.abc import Callable
 
 import kvshelf  # noqa: F401  (preloads OpenBLAS, which must come before mlx)
@@ -30,7 +29,7 @@ import kvshelf  # noqa: F401  (preloads OpenBLAS, which must come before mlx)
 # isort: split
 import mlx.core as mx
 import numpy as np
-from common import write_json
+from common import interleaved_times, write_json
 from decode import build_model
 
 from kvbench.decode_steps import bandwidth
@@ -77,14 +76,7 @@ def run(models: list[str], repeats: int) -> dict:
             floor_ms = weight.nbytes / (gbs * 1e9) * 1e3
             ks = kernels(weight)
             xs = {r: rng.standard_normal((r, weight.shape[1]), dtype=np.float32) for r in ROWS}
-            times: dict[tuple[str, int], list[float]] = {(k, r): [] for k in ks for r in ROWS}
-            for i in range(repeats + 1):  # the first round warms every kernel up
-                for r in ROWS:
-                    for k, fn in ks.items():
-                        t = time.perf_counter()
-                        fn(xs[r])
-                        if i:
-                            times[(k, r)].append((time.perf_counter() - t) * 1e3)
+            times = interleaved_times(ks, xs, repeats)
             for (k, r), ts in times.items():
                 ms = statistics.median(ts)
                 rows.append(

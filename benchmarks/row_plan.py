@@ -28,7 +28,7 @@ import kvshelf  # noqa: F401  (preloads OpenBLAS, which must come before mlx)
 # isort: split
 import mlx.core as mx
 import numpy as np
-from common import write_json
+from common import interleaved_times, write_json
 from decode import build_model
 from head_rows import weights
 
@@ -78,14 +78,7 @@ def run(models: list[str], repeats: int) -> dict:
             xs = {r: mx.array(rng.standard_normal((r, weight.shape[1]), dtype=np.float32)) for r in ROWS}
             alone = {r: np.concatenate([np.array(xs[r][i : i + 1] @ weight.T) for i in range(r)]) for r in ROWS}
             exact = {r: bool(np.array_equal(ks["row plan"](xs[r]), alone[r])) for r in ROWS}
-            times: dict[tuple[str, int], list[float]] = {(k, r): [] for k in ks for r in ROWS}
-            for i in range(repeats + 1):  # the first round warms every kernel up
-                for r in ROWS:
-                    for k, fn in ks.items():
-                        t = time.perf_counter()
-                        fn(xs[r])
-                        if i:
-                            times[(k, r)].append((time.perf_counter() - t) * 1e3)
+            times = interleaved_times(ks, xs, repeats)
             for (k, r), ts in times.items():
                 ms = statistics.median(ts)
                 peer = statistics.median(times[("mlx matmul", r)])
