@@ -47,7 +47,7 @@ MAX_SMALL = 16
 MIN_SHARE = 0.25
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # arrays inside: compared by identity
 class RowPlan:
     """How a weight shape's products of any number of rows run with one-row bits.
 
