@@ -33,6 +33,7 @@ from kvshelf.kv.agent_cache import AgentCache
 from kvshelf.kv.record import agent_record
 from kvshelf.kv.working_set import WorkingSets
 from kvshelf.model.attention import InvariantAttention, invariant_attention, positions_per_call, tile_rows
+from kvshelf.model.fast_exp import exp
 from kvshelf.model.gemv import with_fast_linears
 from kvshelf.model.head import ProjectedModel
 from kvshelf.model.loader import load
@@ -362,7 +363,8 @@ def assert_rows_invariant(loaded, ids: list[int]) -> None:
 
 def _blocked_reference(queries, keys, values, scale, mask, origins):
     """The row-invariant attention as main 39ecc3c computed it (8-row tiles by each 256-key
-    block, both exponentials masked): the oracle the faster kernel must equal bit for bit."""
+    block, both exponentials masked; its exp now the kernel's, ``kvshelf.model.fast_exp``):
+    the oracle the faster kernel must equal bit for bit."""
     from kvshelf.model.attention import _aligned, _full_mask
 
     b, heads, length, d = queries.shape
@@ -385,7 +387,7 @@ def _blocked_reference(queries, keys, values, scale, mask, origins):
     seen = full[:, :, None]
     scores = mx.where(seen, scores.reshape(b, kv, group, length, width), -mx.inf)
     top = scores.max(axis=-1, keepdims=True)
-    weights = mx.where(seen, mx.exp(scores - top), 0.0).reshape(b, kv, rows, blocks, block)
+    weights = mx.where(seen, exp(scores - top), 0.0).reshape(b, kv, rows, blocks, block)
     den = mx.cumsum(weights.sum(axis=-1), axis=-1)[..., -1:]
     if tiles * tile != rows:
         weights = mx.pad(weights, [(0, 0), (0, 0), (0, tiles * tile - rows), (0, 0), (0, 0)])

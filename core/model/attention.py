@@ -50,6 +50,7 @@ import mlx.nn as nn
 from mlx_lm.models.base import scaled_dot_product_attention
 from mlx_lm.models.cache import KVCache
 
+from kvshelf.model.fast_exp import exp
 from kvshelf.model.module_tree import with_children
 from kvshelf.model.spec import BLOCK_TOKENS
 
@@ -253,7 +254,7 @@ def _attention(
     # exp(-inf - top) is exactly 0 where top is finite, which is what masking the exponentials
     # again would give; a row that sees no key (top -inf) subtracts 0 instead, for the same 0s.
     top = mx.where(top == -mx.inf, 0.0, top)
-    weights = mx.exp(scores - top).reshape(b, kv, rows, blocks, block)
+    weights = exp(scores - top).reshape(b, kv, rows, blocks, block)
     # Per absolute block, then block after block from the first: a block adds an exact 0
     # where its keys are not seen.
     den = mx.cumsum(weights.sum(axis=-1), axis=-1)[..., -1:]
