@@ -17,7 +17,8 @@ CPU fallback's softmax) about as much.
 import argparse
 import os
 import platform
-import time
+import statistics
+import timeit
 from importlib.metadata import version
 
 import mlx.core as mx
@@ -30,13 +31,8 @@ shape = tuple(int(n) for n in args.shape.split(","))
 
 
 def median_ms(f, n: int = 9) -> float:
-    f()
-    times = []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        f()
-        times.append(time.perf_counter() - t0)
-    return 1000 * sorted(times)[n // 2]
+    f()  # warm up
+    return 1000 * statistics.median(timeit.repeat(f, number=1, repeat=n))
 
 
 x = mx.random.normal(shape) * 4 - 8  # scores minus their row maximum lie mostly below 0
