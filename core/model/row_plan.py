@@ -52,23 +52,23 @@ class RowPlan:
     """How a weight shape's products of any number of rows run with one-row bits.
 
     ``small``: products of at most this many rows give every row its one-row bits.
-    ``sizes``: (C, positions) ascending: a C-row product's positions with one-row bits."""
+    ``sizes``: (C, positions), room growing with C: a C-row product's positions with one-row
+    bits (the last has the most room, more than ``small``: ``measure`` keeps no other)."""
 
     small: int
     sizes: tuple[tuple[int, np.ndarray], ...]
-    _indices: dict[tuple[int, int], tuple[mx.array, mx.array]] = field(default_factory=dict, compare=False)
+    _indices: dict[tuple[int, int], tuple[mx.array, mx.array]] = field(default_factory=dict, repr=False)
 
     @property
     def room(self) -> int:
         """The most rows one product takes."""
-        return max([self.small, *(len(p) for _, p in self.sizes)])
+        return len(self.sizes[-1][1])
 
     def matmul(self, x: mx.array, weight: mx.array) -> mx.array:
         """``x @ weight.T`` (``x``: rows × k) with every row's bits its one-row product's."""
-        rows = x.shape[0]
-        if rows <= self.small:
+        rows, room = x.shape[0], self.room
+        if rows <= self.small:  # a decode step (and an empty call)
             return x @ weight.T
-        room = self.room
         parts = [self._piece(x[lo : lo + room], weight) for lo in range(0, rows, room)]
         return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=0)
 
