@@ -114,7 +114,7 @@ def test_one_agent_gets_one_projection_at_batch_1_and_the_same_greedy_token_in_a
     mx.eval(hidden)
     whole, last_only = fast.project(hidden), fast.project(hidden[:, -1:])
     assert mx.array_equal(whole[0, -1], last_only[0, 0]).item()
-    assert mx.array_equal(whole[0, -1], fast.gemv(hidden[0, -1])).item()
+    assert mx.array_equal(whole[0, -1], fast.project_row(hidden[0, -1])).item()
     weight = head_weight(model)
     rows = hidden[0][:, None]  # each position as one agent of a batch of 14
     for size in (2, 3, 14):
@@ -197,7 +197,7 @@ def test_embedded_gemma_real_rows_keep_the_greedy_token(embedded_loaded):
     mx.eval(hidden, own)
     weight = fast.weight_view()
     for i in range(len(ids) - 4, len(ids)):
-        got = np.asarray(fast.gemv(hidden[0, i]))
+        got = np.asarray(fast.project_row(hidden[0, i]))
         ref = np.asarray(own[0, i])
         bound = dot_error_bound(weight, np.asarray(hidden[0, i]))
         assert np.all(np.abs(got.astype(np.float64) - ref) <= 2 * bound)

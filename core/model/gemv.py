@@ -44,6 +44,7 @@ from kvshelf.model.head import ProjectedModel, buffer_view, dot_error_bound, wit
 from kvshelf.model.module_tree import with_children
 from kvshelf.model.row_plan import RowPlan, measure
 from kvshelf.model.sgemv import Sgemv, each_row, system_sgemv
+from kvshelf.model.skinny import MAX_LAYER_ROWS, skinny_product
 from kvshelf.switches import ON, env_on
 
 # Whether a batch-1 call's layer projections go to sgemv too. Off: measured alone they
@@ -103,12 +104,15 @@ class GemvLinear(nn.Module):
         one_row: bool = True,
         all_rows: bool = False,
         plan: RowPlan | None = None,
+        skinny: bool = False,
     ) -> None:
         super().__init__()
         self.linear = linear
         self._sgemv = sgemv
         self._gemm = gemm
         self._one_row = one_row  # send a single row to sgemv (else MLX's own call)
+        # ``gemm`` is the skinny product: 1..MAX_LAYER_ROWS rows go to it, more to MLX's own call
+        self._skinny = skinny and gemm is not None
         self._all_rows = all_rows and gemm is not None  # every row count through gemm (SHAPE_INVARIANT)
         self._plan = plan if self._all_rows else None
 
@@ -132,11 +136,13 @@ class GemvLinear(nn.Module):
         rows = x.size // x.shape[-1]
         if self._all_rows and x.dtype == mx.float32:
             return self.few_rows(x)
+        if self._skinny and x.dtype == mx.float32:
+            return self.few_rows(x) if rows <= MAX_LAYER_ROWS else self.linear(x)
         if x.dtype != mx.float32 or rows > MAX_FEW_ROWS or (rows > 1 and self._gemm is None):
             return self.linear(x)
-        if rows == 1 and not self._one_row:
-            return self.linear(x)
-        return self.gemv(x) if rows == 1 else self.few_rows(x)
+        if rows > 1:
+            return self.few_rows(x)
+        return self.gemv(x) if self._one_row else self.linear(x)
 
 
 def _eligible(layer: nn.Module) -> bool:
@@ -188,15 +194,17 @@ def gemv_body(
     all_rows: bool = False,
     checked: dict[tuple, bool] | None = None,
     plans: bool = True,
+    skinny: bool = False,
 ) -> nn.Module:
     """A copy of ``module``'s module tree over the same arrays, with every eligible
     ``nn.Linear`` a ``GemvLinear`` (those that pass the probe, once per weight shape;
     ``wrapped`` collects them). With ``all_rows`` and ``plans``, each layer whose weight's
-    shape has a ``kvshelf.model.row_plan`` runs through it rather than through ``gemm``."""
+    shape has a ``kvshelf.model.row_plan`` runs through it rather than through ``gemm``;
+    ``skinny``: ``gemm`` is ``kvshelf.model.skinny``'s product, for 1..MAX_LAYER_ROWS rows."""
     checked = {} if checked is None else checked
     if _eligible(module):
         plan = measure(module["weight"]) if all_rows and plans else None
-        layer = GemvLinear(module, sgemv, gemm, one_row, all_rows, plan)  # type: ignore[arg-type]
+        layer = GemvLinear(module, sgemv, gemm, one_row, all_rows, plan, skinny)  # type: ignore[arg-type]
         if _agrees(layer, checked):
             if wrapped is not None:
                 wrapped.append(layer)
@@ -204,7 +212,9 @@ def gemv_body(
         return module
     if not module.children():  # a leaf that stays as it is (a norm, an embedding, a biased linear)
         return module
-    return with_children(module, lambda m: gemv_body(m, sgemv, gemm, wrapped, one_row, all_rows, checked, plans))
+    return with_children(
+        module, lambda m: gemv_body(m, sgemv, gemm, wrapped, one_row, all_rows, checked, plans, skinny)
+    )
 
 
 def with_fast_linears(
@@ -216,6 +226,7 @@ def with_fast_linears(
     head: nn.Module | ProjectedModel | None = None,
     grouped: bool = GROUPED_DECODE,
     plans: bool = True,
+    skinny: bool = True,
 ) -> nn.Module | ProjectedModel:
     """``with_fast_head(model)`` whose body also runs its batch-1 projections through sgemv
     (``one_row``) and a decode batch's through BLIS (``batches``; None: ``few_rows``'s default),
@@ -232,22 +243,25 @@ def with_fast_linears(
     the same function: bit-identical to the model's own body on a multi-token probe
     (every row there goes through MLX's matmul in both). ``head``: ``with_fast_head(model)``
     already built (a ``LoadedModel``'s ``forward``), so its probe is not run twice."""
-    fast = _head_of(model, head)
+    fast = _head_of(model, head, skinny)
     sgemv = system_sgemv()
     if not isinstance(fast, ProjectedModel) or sgemv is None:
         return fast
     invariant = SHAPE_INVARIANT if attention is None else attention
     gemm: Gemm | None = None
     all_rows = (SHAPE_INVARIANT if all_rows is None else all_rows) and _rows_invariant()
+    rows = None if all_rows or batches or not skinny else skinny_product()
     if all_rows:
         gemm = partial(each_row, sgemv)
+    elif rows is not None:  # a decode step's 1..16 rows, each weight read once (kvshelf.model.skinny)
+        gemm = rows
     elif batches_through_blis() if batches is None else batches:
         # a decode batch's rows through BLIS only when asked (kvshelf.model.few_rows says why)
         gemm = system_gemm()
         if gemm is not None and not _split_invariant(gemm):  # column parts not the one call's bits: one call
             gemm = gemm_uncut
     wrapped: list[GemvLinear] = []
-    body = gemv_body(model.model, sgemv, gemm, wrapped, one_row, all_rows, plans=plans)
+    body = gemv_body(model.model, sgemv, gemm, wrapped, one_row, all_rows, plans=plans, skinny=rows is not None)
     if not wrapped:
         return _with_attention(fast, invariant, grouped)
     probe = mx.array([[(5 * i + 3) % 97 for i in range(MAX_FEW_ROWS + 1)]])
@@ -259,25 +273,26 @@ def with_fast_linears(
         return fast
     if not same:
         return _with_attention(fast, invariant, grouped)
-    return ProjectedModel(
-        model, fast._project, fast._head, sgemv, body=_attention_body(body, invariant, grouped), all_rows=all_rows
-    )
+    body = _attention_body(body, invariant, grouped)
+    return ProjectedModel(model, fast._project, fast._head, sgemv, body=body, all_rows=all_rows, skinny=skinny)
 
 
-def _head_of(model: nn.Module, built: nn.Module | ProjectedModel | None) -> nn.Module | ProjectedModel:
+def _head_of(model: nn.Module, built: nn.Module | ProjectedModel | None, skinny: bool) -> nn.Module | ProjectedModel:
     """``with_fast_head(model)``, taken from ``built`` (a forward over the same model) when
     that has it: the same head, projection and sgemv, already verified."""
     if isinstance(built, ProjectedModel) and built.inner is model:
-        return ProjectedModel(model, built._project, built._head, built._sgemv)
+        return ProjectedModel(model, built._project, built._head, built._sgemv, skinny=skinny)
     if built is model:  # the head was found not to be the model's own function: nothing to wrap
         return model
-    return with_fast_head(model)
+    return with_fast_head(model, skinny=skinny)
 
 
 def _with_attention(fast: ProjectedModel, invariant: bool, grouped: bool) -> ProjectedModel:
     """``fast`` with its body's attention modules made invariant or grouped, if asked."""
     body = _attention_body(fast.body, invariant, grouped)
-    return fast if body is fast.body else ProjectedModel(fast.inner, fast._project, fast._head, fast._sgemv, body=body)
+    if body is fast.body:
+        return fast
+    return ProjectedModel(fast.inner, fast._project, fast._head, fast._sgemv, body=body, skinny=fast.skinny)
 
 
 def _attention_body(body: nn.Module, invariant: bool, grouped: bool) -> nn.Module:

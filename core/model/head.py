@@ -55,6 +55,7 @@ heads, logit soft-capping, GPU) runs the model's own ``__call__``.
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import mlx.core as mx
@@ -62,8 +63,9 @@ import mlx.nn as nn
 import numpy as np
 
 from kvshelf.model.arrays import borrow
-from kvshelf.model.few_rows import MAX_FEW_ROWS
+from kvshelf.model.few_rows import MAX_FEW_ROWS, Gemm
 from kvshelf.model.sgemv import Sgemv, each_row, system_sgemv
+from kvshelf.model.skinny import skinny_product
 
 UNIT_ROUNDOFF = 2.0**-24  # fp32
 
@@ -149,6 +151,7 @@ class ProjectedModel:
         sgemv: Sgemv,
         body: nn.Module | None = None,
         all_rows: bool = False,
+        skinny: bool = True,
     ) -> None:
         self.inner = model
         # What runs before the projection: the model's own body, or the same function
@@ -160,6 +163,11 @@ class ProjectedModel:
         self._project = project
         self._head = head
         self._sgemv = sgemv
+        # Rows projected one by one in effect (each row's bits its own): the skinny product,
+        # which reads the head once for a decode step's rows (kvshelf.model.skinny), else one
+        # sgemv per row.
+        self.skinny = skinny
+        self._rows_apart: Gemm = (skinny and skinny_product()) or partial(each_row, sgemv)
 
     def __getattr__(self, name: str) -> Any:
         if name == "inner":  # not set yet (copy, unpickling): no recursion
@@ -175,26 +183,27 @@ class ProjectedModel:
         view.flags.writeable = False
         return view
 
-    def gemv(self, h: mx.array) -> mx.array:
-        """Logits for one hidden row ``h`` (shape ``(hidden,)``) through the BLAS's sgemv."""
-        return self.rows_through_sgemv(h[None])[0]
+    def project_row(self, h: mx.array) -> mx.array:
+        """Logits for one hidden row ``h`` (shape ``(hidden,)``), as ``project_rows_apart``."""
+        return self.project_rows_apart(h[None])[0]
 
-    def rows_through_sgemv(self, hidden: mx.array) -> mx.array:
-        """Logits for every row of ``hidden`` (any leading shape), each row its own sgemv
-        (``each_row``), so that a row's bits cannot depend on the rows computed with it."""
+    def project_rows_apart(self, hidden: mx.array) -> mx.array:
+        """Logits for every row of ``hidden`` (any leading shape), each row's bits its own
+        (the skinny product, else one sgemv per row): they cannot depend on the rows
+        computed with it."""
         rows = buffer_view(hidden.astype(mx.float32)).reshape(-1, hidden.shape[-1])
-        return mx.array(each_row(self._sgemv, rows, self.weight_view())).reshape(*hidden.shape[:-1], -1)
+        return mx.array(self._rows_apart(rows, self.weight_view())).reshape(*hidden.shape[:-1], -1)
 
     def project(self, hidden: mx.array) -> mx.array:
-        """Logits for ``hidden`` of shape (batch, length, dim). Each row through its own sgemv
-        (``rows_through_sgemv``): every row, shape-invariant; else a decode step's (one
+        """Logits for ``hidden`` of shape (batch, length, dim). Each row apart
+        (``project_rows_apart``): every row, shape-invariant; else a decode step's (one
         position each of up to ``MAX_FEW_ROWS`` agents) and a batch-1 call's last position.
         Every other row (all positions of a long call: a perplexity pass) is MLX's matmul."""
         if self._all_rows or (hidden.shape[1] == 1 and hidden.shape[0] <= MAX_FEW_ROWS):
-            return self.rows_through_sgemv(hidden)
+            return self.project_rows_apart(hidden)
         if hidden.shape[0] != 1:
             return self._project(hidden)
-        last = self.gemv(hidden[0, -1])[None, None]
+        last = self.project_row(hidden[0, -1])[None, None]
         return mx.concatenate([self._project(hidden[:, :-1]), last], axis=1)
 
     def __call__(self, inputs: mx.array, cache: Any = None, **kwargs: Any) -> mx.array:
@@ -217,7 +226,7 @@ def prefill_logits(model: nn.Module | ProjectedModel, inputs: mx.array, cache: A
     return out[0, -1] if want else None
 
 
-def with_fast_head(model: nn.Module, probe_len: int = 4) -> nn.Module | ProjectedModel:
+def with_fast_head(model: nn.Module, probe_len: int = 4, skinny: bool = True) -> nn.Module | ProjectedModel:
     """``model`` wrapped as a ``ProjectedModel`` if that is provably the same function,
     else ``model`` itself.
 
@@ -230,7 +239,7 @@ def with_fast_head(model: nn.Module, probe_len: int = 4) -> nn.Module | Projecte
     sgemv = system_sgemv()
     if found is None or sgemv is None or _gemv_weight(found[1]) is None:
         return model
-    wrapped = ProjectedModel(model, *found, sgemv)
+    wrapped = ProjectedModel(model, *found, sgemv, skinny=skinny)
     if not wrapped.weight_view().flags.c_contiguous:  # sgemv would need a copy per call
         return model
     vocab = found[1]["weight"].shape[0]

@@ -1,0 +1,102 @@
+"""The decode step's few-row products (kvshelf.model.skinny): every row has the bits of that
+row alone whatever rows come with it, every element lies within the fp32 dot-product bound
+of the exact product, the weight is read where MLX keeps it (read-only views included,
+never copied), and the default kernels send a decode step's rows (layers and head) through
+it (a layer up to MAX_LAYER_ROWS rows) while prefill rows stay MLX's own."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from kvshelf.model.few_rows import MAX_FEW_ROWS
+from kvshelf.model.gemv import GemvLinear, with_fast_linears
+from kvshelf.model.head import ProjectedModel, buffer_view, dot_error_bound
+from kvshelf.model.loader import load
+from kvshelf.model.skinny import MAX_LAYER_ROWS, skinny_product
+
+
+@pytest.fixture(scope="module")
+def product():
+    got = skinny_product()
+    assert got is not None, "numba is a dependency: the skinny product must be there"
+    return got
+
+
+@pytest.mark.parametrize(("n", "k"), [(1024, 640), (256, 640), (640, 2048), (4099, 576), (7, 3)])
+def test_a_row_has_the_same_bits_alone_and_among_others(product, n, k):
+    rng = np.random.default_rng(n + k)
+    weight = rng.standard_normal((n, k)).astype(np.float32)
+    x = rng.standard_normal((MAX_FEW_ROWS, k)).astype(np.float32)
+    full = product(x, weight)
+    for i in range(MAX_FEW_ROWS):
+        assert np.array_equal(product(x[i : i + 1], weight)[0], full[i]), i
+    for lo, hi in ((0, 2), (3, 7), (5, 16), (15, 16)):
+        assert np.array_equal(product(x[lo:hi], weight), full[lo:hi]), (lo, hi)
+    for row, got in zip(x, full):
+        bound = dot_error_bound(weight, row)
+        assert np.all(np.abs(got.astype(np.float64) - weight.astype(np.float64) @ row.astype(np.float64)) <= bound)
+
+
+def test_the_weight_is_used_in_place_and_bad_shapes_are_refused(product):
+    rng = np.random.default_rng(5)
+    weight = rng.standard_normal((300, 64)).astype(np.float32)
+    weight.flags.writeable = False  # the head's view of MLX's buffer is read-only
+    x = rng.standard_normal((3, 64)).astype(np.float32)
+    assert np.array_equal(product(x, weight), np.stack([product(r[None], weight)[0] for r in x]))
+    with pytest.raises(ValueError, match="C-contiguous"):
+        product(x, np.asfortranarray(weight))
+    with pytest.raises(ValueError, match="skinny"):
+        product(x[:, :10], weight)
+    with pytest.raises(ValueError, match="skinny"):
+        product(x, weight.astype(np.float64))
+
+
+def test_it_can_be_turned_off(monkeypatch):
+    monkeypatch.setenv("KVSHELF_NO_SKINNY", "1")
+    skinny_product.cache_clear()
+    try:
+        assert skinny_product() is None
+    finally:
+        monkeypatch.delenv("KVSHELF_NO_SKINNY")
+        skinny_product.cache_clear()
+    assert skinny_product() is not None
+
+
+@pytest.mark.parametrize("kind", ["llama", "gemma3_text"])
+def test_decode_rows_go_through_it_and_prefill_rows_stay_mlxs(product, tiny_dirs, kind):
+    """The default kernels' wrapped layers: 1..MAX_LAYER_ROWS rows are the skinny product's
+    (within the bound of MLX's, each row its own bits), more are MLX's own, bit for bit;
+    the head's decode rows are the skinny product's too."""
+    loaded = load(tiny_dirs[kind], progress=False)
+    fast = with_fast_linears(loaded.model)
+    assert isinstance(fast, ProjectedModel)
+    layers = [m for _, m in fast.body.named_modules() if isinstance(m, GemvLinear)]
+    assert layers
+    rng = np.random.default_rng(7)
+    for layer in layers[:4]:
+        weight = buffer_view(layer.linear["weight"])
+        rows = rng.standard_normal((5, 1, weight.shape[1])).astype(np.float32)
+        got = np.asarray(layer(mx.array(rows)))
+        assert np.array_equal(got.reshape(5, -1), product(rows.reshape(5, -1), weight))
+        assert np.array_equal(np.asarray(layer(mx.array(rows[2:3]))).reshape(-1), got[2].reshape(-1))
+        own = np.asarray(layer.linear(mx.array(rows))).reshape(5, -1)
+        for g, o, r in zip(got.reshape(5, -1), own, rows.reshape(5, -1)):
+            assert np.all(np.abs(g.astype(np.float64) - o) <= 2 * dot_error_bound(weight, r))
+        for n in (MAX_LAYER_ROWS + 1, MAX_FEW_ROWS + 1):
+            many = mx.array(rng.standard_normal((1, n, weight.shape[1])).astype(np.float32))
+            assert mx.array_equal(layer(many), layer.linear(many)).item()
+    hidden = rng.standard_normal((3, 1, fast.weight_view().shape[1])).astype(np.float32)
+    logits = np.asarray(fast.project(mx.array(hidden)))
+    assert np.array_equal(logits.reshape(3, -1), product(hidden.reshape(3, -1), fast.weight_view()))
+
+
+def test_without_it_the_default_kernels_are_as_before(tiny_dirs):
+    """``skinny=False``: a decode row keeps MLX's own call (bit for bit) and the head sgemv."""
+    loaded = load(tiny_dirs["llama"], progress=False)
+    fast = with_fast_linears(loaded.model, skinny=False)
+    assert isinstance(fast, ProjectedModel)
+    layer = next(m for _, m in fast.body.named_modules() if isinstance(m, GemvLinear))
+    row = mx.array(np.random.default_rng(8).standard_normal((1, 1, layer.linear["weight"].shape[1])), mx.float32)
+    assert mx.array_equal(layer(row), layer.linear(row)).item()
