@@ -19,6 +19,14 @@ Both BLAS libraries run one thread per core this process may use (``usable_cpus`
 its CPU affinity, not the machine's core count), so a node started under ``taskset -c
 0`` or in a one-core cpuset runs one BLAS thread instead of several fighting over its
 core. ``OPENBLAS_NUM_THREADS`` and ``BLIS_NUM_THREADS`` still override.
+
+OpenBLAS's idle worker threads sleep almost at once (``OPENBLAS_THREAD_TIMEOUT``, unless
+set, becomes ``THREAD_TIMEOUT``) instead of spinning on ``sched_yield`` for about 2**28
+cycles after every call, OpenBLAS's default. A decode step calls the BLAS between other
+work (MLX's elementwise kernels on its own thread, ``kvshelf.model.skinny``'s products on
+numba's), and on 2 cores a spinning worker takes one of them from that work: a profile of
+an embedded Gemma 3 step at batch 1 found it spinning 65 of every 117 ms, and with it
+asleep the step took 106 ms against 117 (``benchmarks/decode.py``, 2026-12-03).
 """
 
 from __future__ import annotations
@@ -46,6 +54,9 @@ loaded_path: str | None = None
 loaded_source: str | None = None  # which of the candidates above was loaded
 extra_refused: str | None = None  # why the installed extra was not loaded (None: loaded, not needed or absent)
 mlx_first = False  # mlx.core was imported before kvshelf: too late to preload anything
+
+# log2 of the cycles an idle OpenBLAS worker spins before it sleeps (OpenBLAS's minimum is 4).
+THREAD_TIMEOUT = 4
 
 
 def usable_cpus() -> int:
@@ -147,6 +158,7 @@ def load_openblas(cpuinfo: str | None = None) -> str | None:
             stacklevel=3,
         )
         return None
+    os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", str(THREAD_TIMEOUT))  # read when OpenBLAS loads
     if override := os.environ.get(OVERRIDE):
         if (error := _try_load(override)) is None:
             return _loaded(override, SOURCE_OVERRIDE)
