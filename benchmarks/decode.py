@@ -110,6 +110,7 @@ PATHS = (
     "pipeline",
     "greedy",
     "mlx-sdpa",
+    "no-skinny",
 )
 
 
@@ -140,8 +141,14 @@ def run(
         head_only = with_fast_head(model)  # the previous engine path: only the batch-1 head through sgemv
         one_row = with_fast_linears(model, one_row=True)  # batch 1's layer projections through sgemv too
         mlx_sdpa = with_fast_linears(model, grouped=False)  # decode attention through MLX's own (per query head)
+        no_skinny = with_fast_linears(model, skinny=False)  # the projections as before kvshelf.model.skinny
         # what a temperature-0 request runs (LoadedModel.greedy_forward): the shape-invariant kernels
         greedy = with_fast_linears(model, all_rows=True, attention=True) if "greedy" in paths else None
+        greedy_no_skinny = (
+            with_fast_linears(model, all_rows=True, attention=True, skinny=False)
+            if "greedy" in paths and "no-skinny" in paths
+            else None
+        )
         floor_ms = wbytes / (gbs * 1e9) * 1e3
         floors[name] = {**bw, "weight_bytes": wbytes, "floor_ms": round(floor_ms, 1)}
         print(f"\n{name}: {len(spec.layers)} layers, weights {wbytes / 1e9:.3f} GB, floor {floor_ms:.1f} ms/step")
@@ -170,8 +177,12 @@ def run(
                         kinds.append((True, f"{scheme} one-row sgemv", one_row))
                     if "mlx-sdpa" in paths:
                         kinds.append((True, f"{scheme} mlx sdpa", mlx_sdpa))
+                    if "no-skinny" in paths:
+                        kinds.append((True, f"{scheme} no skinny", no_skinny))
                     if greedy is not None:
                         kinds.append((True, f"{scheme} greedy (shape-invariant)", greedy))
+                    if greedy_no_skinny is not None:
+                        kinds.append((True, f"{scheme} greedy no skinny", greedy_no_skinny))
                     if "pipeline" in paths:
                         kinds.append((True, f"{scheme} pipeline", fast))
                     if "per-step" in paths:

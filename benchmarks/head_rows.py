@@ -1,13 +1,15 @@
-"""The row-invariant products of a decode step: BLIS's product against one sgemv per row.
+"""The row-invariant products of a decode step: the skinny product, BLIS's and one sgemv per row.
 
 The shape-invariant kernels (``kvshelf.model.gemv.SHAPE_INVARIANT``, what a temperature-0
 request runs) need products whose rows do not depend on how many rows come with them. Two
 kernels give that here: BLIS's small-matrix product (each element reduced over the inner
 dimension alone) and OpenBLAS's ``sgemv`` called once per row (a row alone, trivially),
 plainly and as ``kvshelf.model.sgemv.each_row`` runs it (a weight larger than the cache in
-blocks of rows, every row by one block before the next).
+blocks of rows, every row by one block before the next). ``kvshelf.model.skinny``'s product
+(numba: each weight row read once and dotted with every row) is row-invariant by
+construction, and what the default kernels' decode steps and every head row now run.
 This measures both side by side on the embedded Gemma 3's and the 30-layer llama's own
-weights, at the row counts of a decode step (1, 2, 4, 8 agents), with MLX's own matmul
+weights, at the row counts of a decode step (1, 2, 4, 8, 16 agents), with MLX's own matmul
 (OpenBLAS ``sgemm``, not row-invariant) beside them, and the floor (the weight's bytes over
 the read bandwidth measured in the same run). Rounds are interleaved (every kernel once at
 every row count, then again) so a burst of other work spoils a few samples of each.
@@ -36,8 +38,9 @@ from kvbench.decode_steps import bandwidth
 from kvshelf.model.few_rows import system_gemm
 from kvshelf.model.head import buffer_view
 from kvshelf.model.sgemv import each_row, system_sgemv
+from kvshelf.model.skinny import skinny_product
 
-ROWS = (1, 2, 4, 8)
+ROWS = (1, 2, 4, 8, 16)
 
 
 def weights(model: object) -> dict[str, mx.array]:
@@ -54,10 +57,11 @@ def weights(model: object) -> dict[str, mx.array]:
 
 def kernels(weight: mx.array) -> dict[str, Callable[[np.ndarray], object]]:
     w = buffer_view(weight)
-    gemm, sgemv = system_gemm(), system_sgemv()
-    if gemm is None or sgemv is None:
+    gemm, sgemv, skinny = system_gemm(), system_sgemv(), skinny_product()
+    if gemm is None or sgemv is None or skinny is None:
         raise SystemExit("needs the system OpenBLAS and BLIS (apt-get install libopenblas0-pthread libblis4-pthread)")
     return {
+        "skinny": lambda x: skinny(x, w),
         "blis product": lambda x: gemm(x, w),
         "sgemv per row": lambda x: np.stack([sgemv(w, row) for row in x]),
         "each_row": lambda x: each_row(sgemv, x, w),  # per row, a large weight in cache-sized blocks
