@@ -60,8 +60,9 @@ ONE_ROW_SGEMV = False
 # where OpenBLAS's sgemm picks another kernel by shape (a row of a 16-, 32- or 48-row product
 # differs from the 1-row one in the last bits, and MLX's matmuls are OpenBLAS's): the layers'
 # through MLX's matmul laid out by ``kvshelf.model.row_plan`` (since 2026-12-03; prefill 25-27%
-# faster than before, ``benchmarks/invariant_profile.py``), the head and any layer shape
-# without a plan as one sgemv per row (``kvshelf.model.sgemv.each_row``; checked at load: a row
+# faster than before, ``benchmarks/invariant_profile.py``), the head through
+# ``kvshelf.model.skinny`` (row-invariant by construction; without numba, one sgemv per row),
+# any layer shape without a plan as one sgemv per row (``kvshelf.model.sgemv.each_row``; checked at load: a row
 # of a product of up to 600 rows equals that row alone, bit for bit). Until 2026-12-02 these
 # rows went through BLIS's small-matrix product, which is row-invariant too but computes a
 # decode step's 1-6 rows as slowly as six (``each_row`` has the figures).

@@ -1,4 +1,4 @@
-"""A decode step's products (1..16 rows by a weight matrix) reading each weight once.
+"""A decode step's few-row products (rows by a weight matrix) reading each weight once.
 
 Why: a decode step of B agents multiplies B rows by every weight, and its time should be
 the weights' bytes over the memory's bandwidth whatever B is. MLX's CPU matmul is
@@ -10,8 +10,13 @@ per row reads the weight once per row (the head of 671 MB: 29 ms a row).
 
 Here one compiled loop (numba, LLVM) takes each weight row once into the cache and dots
 it with every one of the B rows there: ``out[b, j] = x[b] . w[j]``, weight rows split
-between the cores. Measured alone (``benchmarks/skinny.py``), Gemma 3's 126 projections
-take 18 / 33 / 55 ms at 1 / 4 / 8 rows and its head 28 / 53 / 86 ms.
+between the cores. Measured alone (``benchmarks/head_rows.py``,
+``results/head-rows-20261203-145218.json``), Gemma 3's 2048x640 gate projection takes
+0.15 / 0.42 / 0.76 ms at 1 / 4 / 8 rows (MLX 0.51 / 0.96 / 1.00) and its 262144x640 head
+26 / 60 / 105 ms (one sgemv per row in cache-sized blocks: 29 / 86 / 151). In whole decode
+steps (``benchmarks/decode.py --paths default,no-skinny``, ``results/decode-20261203-145550.json``,
+1K context) the embedded Gemma 3 takes 107 / 203 / 344 ms at batch 1 / 4 / 8 against 119 /
+260 / 384 without it, the 30-layer llama 117 / 215 / 353 against 135 / 251 / 372.
 
 Row-invariant by construction: every output element is the same compiled dot-product loop
 over the same ``k`` terms (vectorized over ``k``; fastmath lets LLVM choose the lanes
@@ -19,7 +24,10 @@ once, at compile time), so its bits depend on its own row and weight row only, n
 how many rows came with it or where it lay. ``skinny_product`` checks that once per
 process, with the fp32 error bound against a float64 product, before anything uses it.
 Not the bits of OpenBLAS's sgemm or sgemv (another summation order): within the same
-``dot_error_bound`` of the exact product as they are.
+``dot_error_bound`` of the exact product as they are. So the temperature-0 kernels take
+only the head's rows here (logits are never stored); their layer projections keep the bits
+of OpenBLAS's one-row product (``kvshelf.model.row_plan``), which a prefill chunk's rows
+share, so that a token's K/V do not depend on whether it was prefilled or decoded.
 
 ``KVSHELF_NO_SKINNY=1`` keeps MLX's own matmuls (and sgemv for the head).
 """
