@@ -16,7 +16,9 @@ and side by side, for each model and context length:
   temperature-0 request runs, ``LoadedModel.greedy_forward``'s shape-invariant kernels, and
   (``--paths mlx-sdpa``) the scheduler's path with decode attention through MLX's own
   ``scaled_dot_product_attention`` (one product per query head) instead of
-  ``kvshelf.model.grouped_attention`` (one per KV head);
+  ``kvshelf.model.grouped_attention`` (one per KV head), and (``--paths no-skinny``) the
+  scheduler's path, and with ``greedy`` the temperature-0 one, without
+  ``kvshelf.model.skinny``'s few-row products (MLX's matmuls, the head one sgemv per row);
 - mlx-lm's own step on the same model with its fp32 ``KVCache``/``RotatingKVCache``
   (batch 1: what ``mlx_lm.generate`` runs);
 - the floor: the model's weight bytes (and weights + K/V bytes) divided by the memory

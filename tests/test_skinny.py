@@ -14,7 +14,8 @@ from kvshelf.model.few_rows import MAX_FEW_ROWS
 from kvshelf.model.gemv import GemvLinear, with_fast_linears
 from kvshelf.model.head import ProjectedModel, buffer_view, dot_error_bound
 from kvshelf.model.loader import load
-from kvshelf.model.skinny import MAX_LAYER_ROWS, skinny_product
+from kvshelf.model.skinny import MAX_LAYER_ROWS, MIN_LAYER_BYTES, skinny_product
+from tests.support.tiny import make_tiny_model_dir
 
 
 @pytest.fixture(scope="module")
@@ -64,18 +65,20 @@ def test_it_can_be_turned_off(monkeypatch):
     assert skinny_product() is not None
 
 
-@pytest.mark.parametrize("kind", ["llama", "gemma3_text"])
-def test_decode_rows_go_through_it_and_prefill_rows_stay_mlxs(product, tiny_dirs, kind):
-    """The default kernels' wrapped layers: 1..MAX_LAYER_ROWS rows are the skinny product's
-    (within the bound of MLX's, each row its own bits), more are MLX's own, bit for bit;
-    the head's decode rows are the skinny product's too."""
-    loaded = load(tiny_dirs[kind], progress=False)
-    fast = with_fast_linears(loaded.model)
+def test_decode_rows_go_through_it_and_prefill_rows_stay_mlxs(product, tmp_path):
+    """The default kernels' wrapped layers (a llama wide enough for it): 1..MAX_LAYER_ROWS
+    rows are the skinny product's (within the bound of MLX's, each row its own bits), more
+    are MLX's own, bit for bit; the head's decode rows are the skinny product's too."""
+    path = make_tiny_model_dir(
+        tmp_path / "wide", "llama", hidden_size=512, intermediate_size=1024, num_attention_heads=8,
+        num_key_value_heads=2, num_hidden_layers=1,
+    )  # fmt: skip
+    fast = with_fast_linears(load(path, progress=False).model)
     assert isinstance(fast, ProjectedModel)
     layers = [m for _, m in fast.body.named_modules() if isinstance(m, GemvLinear)]
-    assert layers
+    assert len(layers) == 7 and all(layer._skinny for layer in layers)
     rng = np.random.default_rng(7)
-    for layer in layers[:4]:
+    for layer in layers:
         weight = buffer_view(layer.linear["weight"])
         rows = rng.standard_normal((5, 1, weight.shape[1])).astype(np.float32)
         got = np.asarray(layer(mx.array(rows)))
@@ -90,6 +93,25 @@ def test_decode_rows_go_through_it_and_prefill_rows_stay_mlxs(product, tiny_dirs
     hidden = rng.standard_normal((3, 1, fast.weight_view().shape[1])).astype(np.float32)
     logits = np.asarray(fast.project(mx.array(hidden)))
     assert np.array_equal(logits.reshape(3, -1), product(hidden.reshape(3, -1), fast.weight_view()))
+
+
+@pytest.mark.parametrize("kind", ["llama", "gemma3_text"])
+def test_layers_too_small_for_it_keep_mlxs_own_call(product, tiny_dirs, kind):
+    """A tiny model's weights (under MIN_LAYER_BYTES) keep MLX's product for a decode row,
+    bit for bit; its head's rows are still the skinny product's."""
+    fast = with_fast_linears(load(tiny_dirs[kind], progress=False).model)
+    assert isinstance(fast, ProjectedModel)
+    layers = [m for _, m in fast.body.named_modules() if isinstance(m, GemvLinear)]
+    assert layers and all(m.linear["weight"].nbytes < MIN_LAYER_BYTES and not m._skinny for m in layers)
+    rng = np.random.default_rng(9)
+    for layer in layers:
+        for n in (1, 3):
+            rows = mx.array(rng.standard_normal((n, 1, layer.linear["weight"].shape[1])).astype(np.float32))
+            assert mx.array_equal(layer(rows), layer.linear(rows)).item()
+    hidden = rng.standard_normal((2, 1, fast.weight_view().shape[1])).astype(np.float32)
+    assert np.array_equal(
+        np.asarray(fast.project(mx.array(hidden))).reshape(2, -1), product(hidden.reshape(2, -1), fast.weight_view())
+    )
 
 
 def test_without_it_the_default_kernels_are_as_before(tiny_dirs):

@@ -44,7 +44,7 @@ from kvshelf.model.head import ProjectedModel, buffer_view, dot_error_bound, wit
 from kvshelf.model.module_tree import with_children
 from kvshelf.model.row_plan import RowPlan, measure
 from kvshelf.model.sgemv import Sgemv, each_row, system_sgemv
-from kvshelf.model.skinny import MAX_LAYER_ROWS, skinny_product
+from kvshelf.model.skinny import MAX_LAYER_ROWS, MIN_LAYER_BYTES, skinny_product
 from kvshelf.switches import ON, env_on
 
 # Whether a batch-1 call's layer projections go to sgemv too. Off: measured alone they
@@ -201,11 +201,14 @@ def gemv_body(
     ``nn.Linear`` a ``GemvLinear`` (those that pass the probe, once per weight shape;
     ``wrapped`` collects them). With ``all_rows`` and ``plans``, each layer whose weight's
     shape has a ``kvshelf.model.row_plan`` runs through it rather than through ``gemm``;
-    ``skinny``: ``gemm`` is ``kvshelf.model.skinny``'s product, for 1..MAX_LAYER_ROWS rows."""
+    ``skinny``: ``gemm`` is ``kvshelf.model.skinny``'s product, for 1..MAX_LAYER_ROWS rows
+    of a weight of at least MIN_LAYER_BYTES (a smaller one keeps MLX's own call)."""
     checked = {} if checked is None else checked
     if _eligible(module):
         plan = measure(module["weight"]) if all_rows and plans else None
-        layer = GemvLinear(module, sgemv, gemm, one_row, all_rows, plan, skinny)  # type: ignore[arg-type]
+        small = skinny and module["weight"].nbytes < MIN_LAYER_BYTES  # MLX's own product is cheaper
+        linear: nn.Linear = module  # type: ignore[assignment]  # _eligible: exactly an nn.Linear
+        layer = GemvLinear(linear, sgemv, None if small else gemm, one_row, all_rows, plan, skinny and not small)
         if _agrees(layer, checked):
             if wrapped is not None:
                 wrapped.append(layer)

@@ -52,6 +52,15 @@ from kvshelf.switches import env_on
 # product, one sgemv per row, is slower still: 16 rows 198 against 274 ms).
 MAX_LAYER_ROWS = 8
 
+# The smallest layer weight sent here. Each call makes MLX evaluate the step up to it (the
+# product runs on numpy views), a fixed cost of tens of microseconds that a product this
+# small (a test's tiny model) cannot win back; MLX's own product stays in the graph. The
+# smallest real shapes are far above it (the 30-layer llama's 192x576 k/v projection, 442
+# KB: 0.05 ms here against MLX's 0.12). Three decode-heavy test files took 142.6 s with
+# every layer through it, 139.3 s with this floor and 132.5 s without the skinny product
+# (one run each, so within the noise).
+MIN_LAYER_BYTES = 1 << 18
+
 
 @cache
 def _kernel() -> Any:
