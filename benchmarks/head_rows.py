@@ -59,7 +59,9 @@ def kernels(weight: mx.array) -> dict[str, Callable[[np.ndarray], object]]:
     w = buffer_view(weight)
     gemm, sgemv, skinny = system_gemm(), system_sgemv(), skinny_product()
     if gemm is None or sgemv is None or skinny is None:
-        raise SystemExit("needs the system OpenBLAS and BLIS (apt-get install libopenblas0-pthread libblis4-pthread)")
+        raise SystemExit(
+            "needs the system OpenBLAS and BLIS (apt-get install libopenblas0-pthread libblis4-pthread) and numba"
+        )
     return {
         "skinny": lambda x: skinny(x, w),
         "blis product": lambda x: gemm(x, w),

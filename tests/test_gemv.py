@@ -18,9 +18,10 @@ from kvshelf.kv.record import agent_cache_from_record, agent_record
 from kvshelf.kv.schemes import DEFAULT_SCHEME
 from kvshelf.kv.working_set import WorkingSets
 from kvshelf.model import few_rows
+from kvshelf.model.dot_bound import dot_error_bound
 from kvshelf.model.few_rows import MAX_FEW_ROWS, system_gemm
 from kvshelf.model.gemv import GemvLinear, with_fast_linears
-from kvshelf.model.head import ProjectedModel, buffer_view, dot_error_bound
+from kvshelf.model.head import ProjectedModel, buffer_view
 from kvshelf.model.loader import load
 from tests.test_decode_working_set import assert_identical, decode, prefilled, prompt
 

@@ -15,7 +15,8 @@ import pytest
 from mlx_lm.models import llama
 from mlx_lm.models.cache import make_prompt_cache
 
-from kvshelf.model.head import ProjectedModel, dot_error_bound, greedy_is_certain, with_fast_head
+from kvshelf.model.dot_bound import dot_error_bound, greedy_is_certain
+from kvshelf.model.head import ProjectedModel, with_fast_head
 from kvshelf.model.loader import load
 from kvshelf.runtime.engine import Engine
 from tests.support.subprocesses import run_in_subprocess

@@ -10,9 +10,10 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from kvshelf.model.dot_bound import dot_error_bound
 from kvshelf.model.few_rows import MAX_FEW_ROWS
 from kvshelf.model.gemv import GemvLinear, with_fast_linears
-from kvshelf.model.head import ProjectedModel, buffer_view, dot_error_bound
+from kvshelf.model.head import ProjectedModel, buffer_view
 from kvshelf.model.loader import load
 from kvshelf.model.skinny import MAX_LAYER_ROWS, MIN_LAYER_BYTES, skinny_product
 from tests.support.tiny import make_tiny_model_dir

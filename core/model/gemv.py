@@ -38,9 +38,10 @@ import mlx.nn as nn
 import numpy as np
 
 from kvshelf.model.attention import invariant_attention_body
+from kvshelf.model.dot_bound import dot_error_bound
 from kvshelf.model.few_rows import MAX_FEW_ROWS, Gemm, batches_through_blis, gemm_uncut, system_gemm
 from kvshelf.model.grouped_attention import grouped_attention_body
-from kvshelf.model.head import ProjectedModel, buffer_view, dot_error_bound, with_fast_head
+from kvshelf.model.head import ProjectedModel, buffer_view, with_fast_head
 from kvshelf.model.module_tree import with_children
 from kvshelf.model.row_plan import RowPlan, measure
 from kvshelf.model.sgemv import Sgemv, each_row, system_sgemv
@@ -254,18 +255,18 @@ def with_fast_linears(
     invariant = SHAPE_INVARIANT if attention is None else attention
     gemm: Gemm | None = None
     all_rows = (SHAPE_INVARIANT if all_rows is None else all_rows) and _rows_invariant()
-    rows = None if all_rows or batches or not skinny else skinny_product()
+    skinny_rows = None if all_rows or batches or not skinny else skinny_product()
     if all_rows:
         gemm = partial(each_row, sgemv)
-    elif rows is not None:  # a decode step's 1..16 rows, each weight read once (kvshelf.model.skinny)
-        gemm = rows
+    elif skinny_rows is not None:  # a decode step's 1..MAX_LAYER_ROWS rows, each weight read once
+        gemm = skinny_rows
     elif batches_through_blis() if batches is None else batches:
         # a decode batch's rows through BLIS only when asked (kvshelf.model.few_rows says why)
         gemm = system_gemm()
         if gemm is not None and not _split_invariant(gemm):  # column parts not the one call's bits: one call
             gemm = gemm_uncut
     wrapped: list[GemvLinear] = []
-    body = gemv_body(model.model, sgemv, gemm, wrapped, one_row, all_rows, plans=plans, skinny=rows is not None)
+    body = gemv_body(model.model, sgemv, gemm, wrapped, one_row, all_rows, plans=plans, skinny=skinny_rows is not None)
     if not wrapped:
         return _with_attention(fast, invariant, grouped)
     probe = mx.array([[(5 * i + 3) % 97 for i in range(MAX_FEW_ROWS + 1)]])

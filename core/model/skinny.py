@@ -41,6 +41,7 @@ from typing import Any
 import numpy as np
 
 from kvshelf.model.blas import usable_cpus
+from kvshelf.model.dot_bound import dot_error_bound
 from kvshelf.model.few_rows import MAX_FEW_ROWS, Gemm
 from kvshelf.switches import env_on
 
@@ -109,9 +110,7 @@ def _invariant_and_exact(product: Gemm) -> bool:
         x = rng.standard_normal((MAX_FEW_ROWS + 1, k)).astype(np.float32)
         full = product(x, weight)
         exact = x.astype(np.float64) @ weight.T.astype(np.float64)
-        gamma = (k + 1) * 2.0**-24 / (1 - (k + 1) * 2.0**-24)
-        bound = gamma * (np.abs(x).astype(np.float64) @ np.abs(weight).T.astype(np.float64))
-        if not np.all(np.abs(full - exact) <= bound):
+        if not all(np.all(np.abs(f - e) <= dot_error_bound(weight, r)) for f, e, r in zip(full, exact, x)):
             return False
         for m in range(1, MAX_FEW_ROWS + 2):
             if not np.array_equal(product(x[-m:], weight), full[-m:]):
