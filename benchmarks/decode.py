@@ -18,7 +18,9 @@ and side by side, for each model and context length:
   ``scaled_dot_product_attention`` (one product per query head) instead of
   ``kvshelf.model.grouped_attention`` (one per KV head), and (``--paths no-skinny``) the
   scheduler's path, and with ``greedy`` the temperature-0 one, without
-  ``kvshelf.model.skinny``'s few-row products (MLX's matmuls, the head one sgemv per row);
+  ``kvshelf.model.skinny``'s few-row products (MLX's matmuls, the head one sgemv per row),
+  and (``--paths no-blocks``) the scheduler's path with those products row-invariant
+  (``skinny_product``) instead of in register blocks (``blocked_product``);
 - mlx-lm's own step on the same model with its fp32 ``KVCache``/``RotatingKVCache``
   (batch 1: what ``mlx_lm.generate`` runs);
 - the floor: the model's weight bytes (and weights + K/V bytes) divided by the memory
@@ -63,7 +65,7 @@ from kvbench.decode_steps import FLOOR_METHOD, bandwidth, describe_bandwidth, fi
 from kvshelf.kv import working_set
 from kvshelf.kv.agent_cache import AgentCache
 from kvshelf.kv.schemes import DEFAULT_SCHEME, SCHEMES
-from kvshelf.model import few_rows
+from kvshelf.model import few_rows, skinny
 from kvshelf.model.gemv import with_fast_linears
 from kvshelf.model.head import ProjectedModel, with_fast_head
 from kvshelf.model.loader import load, materialize
@@ -113,7 +115,21 @@ PATHS = (
     "greedy",
     "mlx-sdpa",
     "no-skinny",
+    "no-blocks",
 )
+
+
+def without_row_blocks(model: nn.Module) -> nn.Module | ProjectedModel:
+    """The engine's forward with every few-row product row-invariant (``skinny_product``, one
+    row per loop) instead of ``blocked_product``'s register blocks: ``KVSHELF_NO_ROW_BLOCKS``
+    while it is built (the products are taken at build time), so both run in one process."""
+    os.environ["KVSHELF_NO_ROW_BLOCKS"] = "1"
+    skinny.blocked_product.cache_clear()
+    try:
+        return with_fast_linears(model)
+    finally:
+        del os.environ["KVSHELF_NO_ROW_BLOCKS"]
+        skinny.blocked_product.cache_clear()
 
 
 def engine_forward(model: nn.Module, blis: bool | None = None) -> nn.Module | ProjectedModel:
@@ -144,6 +160,7 @@ def run(
         one_row = with_fast_linears(model, one_row=True)  # batch 1's layer projections through sgemv too
         mlx_sdpa = with_fast_linears(model, grouped=False)  # decode attention through MLX's own (per query head)
         no_skinny = with_fast_linears(model, skinny=False)  # the projections as before kvshelf.model.skinny
+        no_blocks = without_row_blocks(model) if "no-blocks" in paths else None
         # what a temperature-0 request runs (LoadedModel.greedy_forward): the shape-invariant kernels
         greedy = with_fast_linears(model, all_rows=True, attention=True) if "greedy" in paths else None
         greedy_no_skinny = (
@@ -181,6 +198,8 @@ def run(
                         kinds.append((True, f"{scheme} mlx sdpa", mlx_sdpa))
                     if "no-skinny" in paths:
                         kinds.append((True, f"{scheme} no skinny", no_skinny))
+                    if no_blocks is not None:
+                        kinds.append((True, f"{scheme} no row blocks", no_blocks))
                     if greedy is not None:
                         kinds.append((True, f"{scheme} greedy (shape-invariant)", greedy))
                     if greedy_no_skinny is not None:

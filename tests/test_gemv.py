@@ -83,16 +83,24 @@ def test_few_rows_are_within_the_bound_and_more_are_bit_identical(kind, models):
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_batch_of_agents_gets_the_logits_each_would_get_alone(kind, models):
-    """A decode step's head rows each go through sgemv: an agent's logits in a batch of 14 are
-    its batch-1 logits bit for bit, and within the fp32 bound of MLX's own product."""
+    """A decode step's head rows read the head once for the batch: an agent's logits in a batch
+    of 14 lie within the fp32 bound of MLX's own product and of its batch-1 logits (the
+    default kernels' blocks round by the batch), and the temperature-0 forward's are its
+    batch-1 logits bit for bit."""
     loaded = models[kind]
     fast = fast_of(loaded)
     hidden = loaded.model.model(mx.array([PROMPT]))[0][:, None]  # 14 positions as 14 agents
     assert hidden.shape[0] <= MAX_FEW_ROWS
     got, own = np.asarray(fast.project(hidden)), np.asarray(fast._project(hidden))
-    assert got.shape == own.shape and within_bound(got, own, fast.weight_view(), np.asarray(hidden))
+    rows = np.asarray(hidden)
+    assert got.shape == own.shape and within_bound(got, own, fast.weight_view(), rows)
+    greedy = loaded.greedy_forward
+    assert isinstance(greedy, ProjectedModel)
+    invariant = np.asarray(greedy.project(hidden))
     for b in (0, 5, 13):
-        assert np.array_equal(np.asarray(fast.project(hidden[b : b + 1])), got[b : b + 1]), b
+        alone = np.asarray(fast.project(hidden[b : b + 1]))
+        assert within_bound(got[b : b + 1], alone, fast.weight_view(), rows[b : b + 1]), b
+        assert np.array_equal(np.asarray(greedy.project(hidden[b : b + 1])), invariant[b : b + 1]), b
 
 
 @pytest.mark.parametrize("kind", KINDS)

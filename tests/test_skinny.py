@@ -1,8 +1,10 @@
-"""The decode step's few-row products (kvshelf.model.skinny): every row has the bits of that
-row alone whatever rows come with it, every element lies within the fp32 dot-product bound
-of the exact product, the weight is read where MLX keeps it (read-only views included,
-never copied), and the default kernels send a decode step's rows (layers and head) through
-it (a layer up to MAX_LAYER_ROWS rows) while prefill rows stay MLX's own."""
+"""The decode step's few-row products (kvshelf.model.skinny): in the row-invariant one every
+row has the bits of that row alone whatever rows come with it; in the blocked one a row alone
+has those bits and rows together are summed in register blocks; every element of both lies
+within the fp32 dot-product bound of the exact product, the weight is read where MLX keeps it
+(read-only views included, never copied), and the default kernels send a decode step's rows
+(layers and head) through the blocked one (a layer up to MAX_LAYER_ROWS rows) while prefill
+rows stay MLX's own."""
 
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ from kvshelf.model.few_rows import MAX_FEW_ROWS
 from kvshelf.model.gemv import GemvLinear, with_fast_linears
 from kvshelf.model.head import ProjectedModel, buffer_view
 from kvshelf.model.loader import load
-from kvshelf.model.skinny import MAX_LAYER_ROWS, MIN_LAYER_BYTES, skinny_product
+from kvshelf.model.skinny import MAX_LAYER_ROWS, MIN_LAYER_BYTES, blocked_product, skinny_product
 from tests.support.tiny import make_tiny_model_dir
 
 
@@ -24,6 +26,31 @@ def product():
     got = skinny_product()
     assert got is not None, "numba is a dependency: the skinny product must be there"
     return got
+
+
+@pytest.fixture(scope="module")
+def blocked():
+    got = blocked_product()
+    assert got is not None and got is not skinny_product(), "the blocked product must pass its check"
+    return got
+
+
+@pytest.mark.parametrize(("n", "k"), [(1024, 640), (4099, 576), (640, 2048), (7, 3)])
+def test_blocked_rows_lie_within_the_bound_and_a_row_alone_is_the_invariant_ones(product, blocked, n, k):
+    """Every row count a decode step or the head sends (1..MAX_FEW_ROWS, odd ones padded to
+    a block): within the bound of the exact product; one row is the row-invariant loop's."""
+    rng = np.random.default_rng(n * k)
+    weight = rng.standard_normal((n, k)).astype(np.float32)
+    weight.flags.writeable = False
+    x = rng.standard_normal((MAX_FEW_ROWS, k)).astype(np.float32)
+    exact = x.astype(np.float64) @ weight.T.astype(np.float64)
+    for m in range(1, MAX_FEW_ROWS + 1):
+        got = blocked(x[:m], weight)
+        assert got.shape == (m, n) and got.dtype == np.float32
+        for row, g, e in zip(x, got, exact):
+            assert np.all(np.abs(g - e) <= dot_error_bound(weight, row)), m
+        assert np.array_equal(got, blocked(x[:m], weight)), m
+    assert np.array_equal(blocked(x[3:4], weight), product(x[3:4], weight))
 
 
 @pytest.mark.parametrize(("n", "k"), [(1024, 640), (256, 640), (640, 2048), (4099, 576), (7, 3)])
@@ -66,10 +93,21 @@ def test_it_can_be_turned_off(monkeypatch):
     assert skinny_product() is not None
 
 
-def test_decode_rows_go_through_it_and_prefill_rows_stay_mlxs(product, tmp_path):
+def test_the_blocks_can_be_turned_off_and_then_every_product_is_row_invariant(monkeypatch):
+    monkeypatch.setenv("KVSHELF_NO_ROW_BLOCKS", "1")
+    blocked_product.cache_clear()
+    try:
+        assert blocked_product() is skinny_product()
+    finally:
+        monkeypatch.delenv("KVSHELF_NO_ROW_BLOCKS")
+        blocked_product.cache_clear()
+    assert blocked_product() not in (None, skinny_product())
+
+
+def test_decode_rows_go_through_it_and_prefill_rows_stay_mlxs(blocked, tmp_path):
     """The default kernels' wrapped layers (a llama wide enough for it): 1..MAX_LAYER_ROWS
-    rows are the skinny product's (within the bound of MLX's, each row its own bits), more
-    are MLX's own, bit for bit; the head's decode rows are the skinny product's too."""
+    rows are the blocked product's (within the bound of MLX's and of each row alone), more
+    are MLX's own, bit for bit; the head's decode rows are the blocked product's too."""
     path = make_tiny_model_dir(
         tmp_path / "wide", "llama", hidden_size=512, intermediate_size=1024, num_attention_heads=8,
         num_key_value_heads=2, num_hidden_layers=1,
@@ -83,23 +121,24 @@ def test_decode_rows_go_through_it_and_prefill_rows_stay_mlxs(product, tmp_path)
         weight = buffer_view(layer.linear["weight"])
         rows = rng.standard_normal((5, 1, weight.shape[1])).astype(np.float32)
         got = np.asarray(layer(mx.array(rows)))
-        assert np.array_equal(got.reshape(5, -1), product(rows.reshape(5, -1), weight))
-        assert np.array_equal(np.asarray(layer(mx.array(rows[2:3]))).reshape(-1), got[2].reshape(-1))
+        assert np.array_equal(got.reshape(5, -1), blocked(rows.reshape(5, -1), weight))
+        alone = np.asarray(layer(mx.array(rows[2:3]))).reshape(-1)
+        assert np.all(np.abs(alone.astype(np.float64) - got[2].reshape(-1)) <= 2 * dot_error_bound(weight, rows[2, 0]))
         own = np.asarray(layer.linear(mx.array(rows))).reshape(5, -1)
         for g, o, r in zip(got.reshape(5, -1), own, rows.reshape(5, -1)):
             assert np.all(np.abs(g.astype(np.float64) - o) <= 2 * dot_error_bound(weight, r))
-        for n in (MAX_LAYER_ROWS + 1, MAX_FEW_ROWS + 1):
+        for n in (MAX_LAYER_ROWS + 1, 2 * MAX_FEW_ROWS):
             many = mx.array(rng.standard_normal((1, n, weight.shape[1])).astype(np.float32))
             assert mx.array_equal(layer(many), layer.linear(many)).item()
     hidden = rng.standard_normal((3, 1, fast.weight_view().shape[1])).astype(np.float32)
     logits = np.asarray(fast.project(mx.array(hidden)))
-    assert np.array_equal(logits.reshape(3, -1), product(hidden.reshape(3, -1), fast.weight_view()))
+    assert np.array_equal(logits.reshape(3, -1), blocked(hidden.reshape(3, -1), fast.weight_view()))
 
 
 @pytest.mark.parametrize("kind", ["llama", "gemma3_text"])
-def test_layers_too_small_for_it_keep_mlxs_own_call(product, tiny_dirs, kind):
+def test_layers_too_small_for_it_keep_mlxs_own_call(blocked, tiny_dirs, kind):
     """A tiny model's weights (under MIN_LAYER_BYTES) keep MLX's product for a decode row,
-    bit for bit; its head's rows are still the skinny product's."""
+    bit for bit; its head's rows are still the blocked product's."""
     fast = with_fast_linears(load(tiny_dirs[kind], progress=False).model)
     assert isinstance(fast, ProjectedModel)
     layers = [m for _, m in fast.body.named_modules() if isinstance(m, GemvLinear)]
@@ -111,7 +150,7 @@ def test_layers_too_small_for_it_keep_mlxs_own_call(product, tiny_dirs, kind):
             assert mx.array_equal(layer(rows), layer.linear(rows)).item()
     hidden = rng.standard_normal((2, 1, fast.weight_view().shape[1])).astype(np.float32)
     assert np.array_equal(
-        np.asarray(fast.project(mx.array(hidden))).reshape(2, -1), product(hidden.reshape(2, -1), fast.weight_view())
+        np.asarray(fast.project(mx.array(hidden))).reshape(2, -1), blocked(hidden.reshape(2, -1), fast.weight_view())
     )
 
 

@@ -45,7 +45,7 @@ from kvshelf.model.head import ProjectedModel, buffer_view, with_fast_head
 from kvshelf.model.module_tree import with_children
 from kvshelf.model.row_plan import RowPlan, measure
 from kvshelf.model.sgemv import Sgemv, each_row, system_sgemv
-from kvshelf.model.skinny import MAX_LAYER_ROWS, MIN_LAYER_BYTES, skinny_product
+from kvshelf.model.skinny import MAX_LAYER_ROWS, MIN_LAYER_BYTES, blocked_product
 from kvshelf.switches import ON, env_on
 
 # Whether a batch-1 call's layer projections go to sgemv too. Off: measured alone they
@@ -113,7 +113,7 @@ class GemvLinear(nn.Module):
         self._sgemv = sgemv
         self._gemm = gemm
         self._one_row = one_row  # send a single row to sgemv (else MLX's own call)
-        # ``gemm`` is the skinny product: 1..MAX_LAYER_ROWS rows go to it, more to MLX's own call
+        # ``gemm`` is the blocked skinny product: 1..MAX_LAYER_ROWS rows go to it, more to MLX's own call
         self._skinny = skinny and gemm is not None
         self._all_rows = all_rows and gemm is not None  # every row count through gemm (SHAPE_INVARIANT)
         self._plan = plan if self._all_rows else None
@@ -202,7 +202,7 @@ def gemv_body(
     ``nn.Linear`` a ``GemvLinear`` (those that pass the probe, once per weight shape;
     ``wrapped`` collects them). With ``all_rows`` and ``plans``, each layer whose weight's
     shape has a ``kvshelf.model.row_plan`` runs through it rather than through ``gemm``;
-    ``skinny``: ``gemm`` is ``kvshelf.model.skinny``'s product, for 1..MAX_LAYER_ROWS rows
+    ``skinny``: ``gemm`` is ``kvshelf.model.skinny``'s blocked product, for 1..MAX_LAYER_ROWS rows
     of a weight of at least MIN_LAYER_BYTES (a smaller one keeps MLX's own call)."""
     checked = {} if checked is None else checked
     if _eligible(module):
@@ -255,7 +255,7 @@ def with_fast_linears(
     invariant = SHAPE_INVARIANT if attention is None else attention
     gemm: Gemm | None = None
     all_rows = (SHAPE_INVARIANT if all_rows is None else all_rows) and _rows_invariant()
-    skinny_rows = None if all_rows or batches or not skinny else skinny_product()
+    skinny_rows = None if all_rows or batches or not skinny else blocked_product()
     if all_rows:
         gemm = partial(each_row, sgemv)
     elif skinny_rows is not None:  # a decode step's 1..MAX_LAYER_ROWS rows, each weight read once

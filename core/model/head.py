@@ -66,7 +66,7 @@ from kvshelf.model.arrays import borrow
 from kvshelf.model.dot_bound import dot_error_bound
 from kvshelf.model.few_rows import MAX_FEW_ROWS, Gemm
 from kvshelf.model.sgemv import Sgemv, each_row, system_sgemv
-from kvshelf.model.skinny import skinny_product
+from kvshelf.model.skinny import blocked_product, skinny_product
 
 
 def buffer_view(a: mx.array) -> np.ndarray:
@@ -126,11 +126,13 @@ class ProjectedModel:
         self._project = project
         self._head = head
         self._sgemv = sgemv
-        # Rows projected one by one in effect (each row's bits its own): the skinny product,
-        # which reads the head once for a decode step's rows (kvshelf.model.skinny), else one
-        # sgemv per row.
+        # A decode step's rows through a product that reads the head once for all of them
+        # (kvshelf.model.skinny): with ``all_rows`` the row-invariant one (each row's bits its
+        # own), else the fastest (a row's bits depend on its block, as in MLX's matmul);
+        # without numba, one sgemv per row.
         self.skinny = skinny
-        self._rows_apart: Gemm = (skinny and skinny_product()) or partial(each_row, sgemv)
+        few = skinny_product() if all_rows else blocked_product()
+        self._rows_apart: Gemm = (skinny and few) or partial(each_row, sgemv)
 
     def __getattr__(self, name: str) -> Any:
         if name == "inner":  # not set yet (copy, unpickling): no recursion
@@ -151,9 +153,11 @@ class ProjectedModel:
         return self.project_rows_apart(h[None])[0]
 
     def project_rows_apart(self, hidden: mx.array) -> mx.array:
-        """Logits for every row of ``hidden`` (any leading shape), each row's bits its own
-        (the skinny product, else one sgemv per row): they cannot depend on the rows
-        computed with it."""
+        """Logits for every row of ``hidden`` (any leading shape), the head read once for all
+        of them. With ``all_rows`` each row's bits are its own (the row-invariant skinny
+        product, else one sgemv per row): they cannot depend on the rows computed with it.
+        Otherwise a row alone has the same bits as ``all_rows`` gives it, and rows together
+        those of the blocked product (``kvshelf.model.skinny.blocked_product``)."""
         rows = buffer_view(hidden.astype(mx.float32)).reshape(-1, hidden.shape[-1])
         return mx.array(self._rows_apart(rows, self.weight_view())).reshape(*hidden.shape[:-1], -1)
 

@@ -8,28 +8,32 @@ embedded Gemma 3 (2-core AMD EPYC, 19-23 GB/s) its 126 layer projections took 42
 spent a third of its sgemm time in ``sgemm_incopy`` (the packing). One ``cblas_sgemv``
 per row reads the weight once per row (the head of 671 MB: 29 ms a row).
 
-Here one compiled loop (numba, LLVM) takes each weight row once into the cache and dots
-it with every one of the B rows there: ``out[b, j] = x[b] . w[j]``, weight rows split
-between the cores. Measured alone (``benchmarks/head_rows.py``,
-``results/head-rows-20261203-145218.json``), Gemma 3's 2048x640 gate projection takes
-0.15 / 0.42 / 0.76 ms at 1 / 4 / 8 rows (MLX 0.51 / 0.96 / 1.00) and its 262144x640 head
-26 / 60 / 105 ms (one sgemv per row in cache-sized blocks: 29 / 86 / 151). In whole decode
-steps (``benchmarks/decode.py --paths default,no-skinny``, ``results/decode-20261203-145550.json``,
-1K context) the embedded Gemma 3 takes 107 / 203 / 344 ms at batch 1 / 4 / 8 against 119 /
-260 / 384 without it, the 30-layer llama 117 / 215 / 353 against 135 / 251 / 372.
+Two products here, both compiled loops (numba, LLVM) with weight rows split between the
+cores, both within the fp32 ``dot_error_bound`` of the exact product (checked once per
+process before anything uses them):
 
-Row-invariant by construction: every output element is the same compiled dot-product loop
-over the same ``k`` terms (vectorized over ``k``; fastmath lets LLVM choose the lanes
-once, at compile time), so its bits depend on its own row and weight row only, never on
-how many rows came with it or where it lay. ``skinny_product`` checks that once per
-process, with the fp32 error bound against a float64 product, before anything uses it.
-Not the bits of OpenBLAS's sgemm or sgemv (another summation order): within the same
-``dot_error_bound`` of the exact product as they are. So the temperature-0 kernels take
-only the head's rows here (logits are never stored); their layer projections keep the bits
-of OpenBLAS's one-row product (``kvshelf.model.row_plan``), which a prefill chunk's rows
-share, so that a token's K/V do not depend on whether it was prefilled or decoded.
+- ``skinny_product``, row-invariant: each weight row is taken once into the cache and
+  dotted with every one of the B rows there, ``out[b, j] = x[b] . w[j]``. Every output
+  element is the same compiled loop over the same ``k`` terms (vectorized over ``k``;
+  fastmath lets LLVM choose the lanes once, at compile time), so its bits depend on its
+  own row and weight row only, never on how many rows came with it or where it lay. Not
+  the bits of OpenBLAS's sgemm or sgemv (another summation order). The temperature-0
+  kernels' head rows run it; their layer projections keep the bits of OpenBLAS's one-row
+  product (``kvshelf.model.row_plan``), which a prefill chunk's rows share, so that a
+  token's K/V do not depend on whether it was prefilled or decoded.
+- ``blocked_product``, what the default kernels' decode steps run (layers and head): a
+  row alone through the same loop, 2 rows by twos, 3-4 by fours, more by eights, each
+  weight element loaded once into registers and multiplied into that many sums. The
+  row-invariant loop reloads it for every row, so beyond one row it is bound by its
+  loads, not by memory: Gemma 3's 262144x640 head at 2 / 4 / 8 / 16 rows took 37.6 / 61.4
+  / 106.4 / 196.7 ms that way against 30.6 / 37.6 / 50.0 / 100.5 in blocks, where one row
+  takes 27.1 and the floor is 31.6 (``benchmarks/head_rows.py``,
+  ``results/head-rows-20261203-171824.json``; MLX's matmul 94 / 133 / 136 / 125). A row's bits then depend on the
+  block it ran in, as a row of MLX's matmul depends on its row count; the default kernels
+  never promised more (their attention rounds by the batch too).
 
-``KVSHELF_NO_SKINNY=1`` keeps MLX's own matmuls (and sgemv for the head).
+``KVSHELF_NO_SKINNY=1`` keeps MLX's own matmuls (and sgemv for the head);
+``KVSHELF_NO_ROW_BLOCKS=1`` runs the default kernels' rows row-invariant too.
 """
 
 from __future__ import annotations
@@ -45,12 +49,12 @@ from kvshelf.model.dot_bound import dot_error_bound
 from kvshelf.model.few_rows import MAX_FEW_ROWS, Gemm
 from kvshelf.switches import env_on
 
-# The most rows a layer projection sends here. Beyond it the loop is bound by its loads (x's
-# rows are read again for every weight row), not by memory, and MLX's blocked sgemm is
-# faster: 16 rows by Gemma 3's 2048x640 up-projection took 2.83 ms here against 1.79, 8 rows
-# 1.57 against 1.93 (``benchmarks/head_rows.py``, ``results/head-rows-20261203-145218.json``).
-# The head takes every row here (its rows' bits must be their own; the other row-invariant
-# product, one sgemv per row, is slower still: 16 rows 198 against 274 ms).
+# The most rows a layer projection sends here. Alone, each of Gemma 3's layer shapes is faster
+# here than MLX's blocked sgemm up to 16 rows (its 2048x640 up-projection 0.42 / 0.85 ms at 8 /
+# 16 rows against 2.00 / 1.84; ``benchmarks/head_rows.py``, ``results/head-rows-20261203-171824.json``),
+# but at 16 rows a whole step of the 30-layer llama was slower so (651 ms against 586 with
+# MLX's matmuls; at 8 rows 348 against 370: ``benchmarks/decode.py``,
+# ``results/decode-20261203-172227.json``): sixteen rows are enough for sgemm's packing to pay.
 MAX_LAYER_ROWS = 8
 
 # The smallest layer weight sent here. Each call makes MLX evaluate the step up to it (the
@@ -63,17 +67,23 @@ MAX_LAYER_ROWS = 8
 MIN_LAYER_BYTES = 1 << 18
 
 
-@cache
-def _kernel() -> Any:
-    """The compiled loop (compiled once per process, cached on disk by numba)."""
-    from numba import njit, prange, types
+def _signatures() -> list[Any]:
+    """A kernel's two signatures: rows and out are writable, the weight may be a read-only
+    view (``ProjectedModel.weight_view``), which numba types apart."""
+    from numba import types
 
-    # The weight may be a read-only view (``ProjectedModel.weight_view``): numba types those apart.
     rows, out = types.Array(types.float32, 2, "C"), types.Array(types.float32, 2, "C")
     weights = (types.Array(types.float32, 2, "C"), types.Array(types.float32, 2, "C", readonly=True))
-    signatures = [types.void(rows, w, out) for w in weights]
+    return [types.void(rows, w, out) for w in weights]
 
-    @njit(signatures, parallel=True, fastmath=True, cache=True, boundscheck=False)
+
+@cache
+def _kernel() -> Any:
+    """The row-invariant loop: each output element its own dot product (compiled once per
+    process, cached on disk by numba)."""
+    from numba import njit, prange
+
+    @njit(_signatures(), parallel=True, fastmath=True, cache=True, boundscheck=False)
     def rows_by_weight(x: np.ndarray, weight: np.ndarray, out: np.ndarray) -> None:
         rows, k = x.shape
         for j in prange(weight.shape[0]):
@@ -86,16 +96,102 @@ def _kernel() -> Any:
     return rows_by_weight
 
 
-def _product(x: np.ndarray, weight: np.ndarray) -> np.ndarray:
-    """``x @ weight.T`` for ``x`` (m, k) and ``weight`` (n, k), fp32, C-contiguous."""
+@cache
+def _blocks() -> dict[int, Any]:
+    """Loops that take 2, 4 or 8 rows at once (``x``'s row count a multiple of it): each weight
+    element, loaded once, is multiplied into that many sums held in registers, where the
+    row-invariant loop loads it again for every row. So a step of several rows costs closer
+    to its weight's bytes than to its rows' loads (measured in ``blocked_product``)."""
+    from numba import njit, prange
+
+    compile_as = njit(_signatures(), parallel=True, fastmath=True, cache=True, boundscheck=False)
+
+    @compile_as
+    def by_twos(x: np.ndarray, weight: np.ndarray, out: np.ndarray) -> None:
+        rows, k = x.shape
+        for j in prange(weight.shape[0]):
+            for b in range(0, rows, 2):
+                s0 = s1 = np.float32(0.0)
+                for i in range(k):
+                    w = weight[j, i]
+                    s0 += x[b, i] * w
+                    s1 += x[b + 1, i] * w
+                out[b, j], out[b + 1, j] = s0, s1
+
+    @compile_as
+    def by_fours(x: np.ndarray, weight: np.ndarray, out: np.ndarray) -> None:
+        rows, k = x.shape
+        for j in prange(weight.shape[0]):
+            for b in range(0, rows, 4):
+                s0 = s1 = s2 = s3 = np.float32(0.0)
+                for i in range(k):
+                    w = weight[j, i]
+                    s0 += x[b, i] * w
+                    s1 += x[b + 1, i] * w
+                    s2 += x[b + 2, i] * w
+                    s3 += x[b + 3, i] * w
+                out[b, j], out[b + 1, j], out[b + 2, j], out[b + 3, j] = s0, s1, s2, s3
+
+    @compile_as
+    def by_eights(x: np.ndarray, weight: np.ndarray, out: np.ndarray) -> None:
+        rows, k = x.shape
+        for j in prange(weight.shape[0]):
+            for b in range(0, rows, 8):
+                s0 = s1 = s2 = s3 = s4 = s5 = s6 = s7 = np.float32(0.0)
+                for i in range(k):
+                    w = weight[j, i]
+                    s0 += x[b, i] * w
+                    s1 += x[b + 1, i] * w
+                    s2 += x[b + 2, i] * w
+                    s3 += x[b + 3, i] * w
+                    s4 += x[b + 4, i] * w
+                    s5 += x[b + 5, i] * w
+                    s6 += x[b + 6, i] * w
+                    s7 += x[b + 7, i] * w
+                out[b, j], out[b + 1, j], out[b + 2, j], out[b + 3, j] = s0, s1, s2, s3
+                out[b + 4, j], out[b + 5, j], out[b + 6, j], out[b + 7, j] = s4, s5, s6, s7
+
+    return {2: by_twos, 4: by_fours, 8: by_eights}
+
+
+def _checked(x: np.ndarray, weight: np.ndarray) -> np.ndarray:
+    """``x`` as the kernels take it (fp32, C-contiguous), after checking both shapes."""
     x = np.ascontiguousarray(x, dtype=np.float32)
     if x.ndim != 2 or weight.ndim != 2 or x.shape[1] != weight.shape[1] or weight.dtype != np.float32:
         raise ValueError(f"skinny product: {x.shape} by {weight.shape} ({weight.dtype})")
     if not weight.flags.c_contiguous:
         raise ValueError("skinny product: the weight must be C-contiguous (a view of MLX's buffer, never copied)")
+    return x
+
+
+def _product(x: np.ndarray, weight: np.ndarray) -> np.ndarray:
+    """``x @ weight.T`` for ``x`` (m, k) and ``weight`` (n, k), fp32, C-contiguous; each row's
+    bits its own."""
+    x = _checked(x, weight)
     out = np.empty((x.shape[0], weight.shape[0]), dtype=np.float32)
     _kernel()(x, weight, out)
     return out
+
+
+def _block_of(rows: int) -> int:
+    """The block a product of ``rows`` rows runs in: 1 (the row-invariant loop), 2, 4 or 8."""
+    return 1 if rows == 1 else 2 if rows == 2 else 4 if rows <= 4 else 8
+
+
+def _blocked(x: np.ndarray, weight: np.ndarray) -> np.ndarray:
+    """``x @ weight.T`` as ``_product``, a row alone through its loop, more rows in register
+    blocks (zero rows added up to the block's multiple; their sums are dropped)."""
+    x = _checked(x, weight)
+    rows = x.shape[0]
+    block = _block_of(rows)
+    if block == 1:
+        return _product(x, weight)
+    padded = -(-rows // block) * block
+    if padded != rows:
+        x = np.concatenate([x, np.zeros((padded - rows, x.shape[1]), dtype=np.float32)])
+    out = np.empty((padded, weight.shape[0]), dtype=np.float32)
+    _blocks()[block](x, weight, out)
+    return out[:rows]
 
 
 def _invariant_and_exact(product: Gemm) -> bool:
@@ -140,3 +236,39 @@ def skinny_product() -> Gemm | None:
     if "NUMBA_NUM_THREADS" not in os.environ:
         numba.set_num_threads(max(1, min(usable_cpus(), numba.get_num_threads())))
     return _product if _invariant_and_exact(_product) else None
+
+
+def _exact(product: Gemm) -> bool:
+    """Every element of a product of 1..MAX_FEW_ROWS+1 rows lies within the fp32 dot-product
+    error bound of a float64 product, and the same call gives the same bits twice (odd weight
+    row counts and ``k``, read-only and writable weights)."""
+    rng = np.random.default_rng(4)
+    for n, k, read_only in ((1003, 640, True), (257, 2051, False), (64, 9, False)):
+        weight = rng.standard_normal((n, k)).astype(np.float32)
+        weight.flags.writeable = not read_only
+        x = rng.standard_normal((MAX_FEW_ROWS + 1, k)).astype(np.float32)
+        exact = x.astype(np.float64) @ weight.T.astype(np.float64)
+        for m in range(1, MAX_FEW_ROWS + 2):
+            got = product(x[:m], weight)
+            if got.shape != (m, n) or not np.array_equal(got, product(x[:m], weight)):
+                return False
+            if not all(np.all(np.abs(g - e) <= dot_error_bound(weight, r)) for g, e, r in zip(got, exact, x)):
+                return False
+    return True
+
+
+@cache
+def blocked_product() -> Gemm | None:
+    """``x @ weight.T`` for a decode step's rows, fastest: one row through the row-invariant
+    loop, 2 rows by twos, 3-4 by fours, 5 and more by eights (``_blocks``). A row's bits then
+    depend on the block its product ran in (the loops sum in other orders), as a row of
+    MLX's matmul depends on its row count; each within the same fp32 bound. Where a row's
+    bits must be its own (the temperature-0 kernels' head), ``skinny_product``.
+
+    None where ``skinny_product`` is; ``skinny_product`` itself with ``KVSHELF_NO_ROW_BLOCKS``
+    set or if the check fails."""
+    if skinny_product() is None:
+        return None
+    if env_on("KVSHELF_NO_ROW_BLOCKS"):
+        return skinny_product()
+    return _blocked if _exact(_blocked) else skinny_product()
