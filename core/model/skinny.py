@@ -96,62 +96,34 @@ def _kernel() -> Any:
     return rows_by_weight
 
 
-@cache
-def _blocks() -> dict[int, Any]:
-    """Loops that take 2, 4 or 8 rows at once (``x``'s row count a multiple of it): each weight
-    element, loaded once, is multiplied into that many sums held in registers, where the
-    row-invariant loop loads it again for every row. So a step of several rows costs closer
-    to its weight's bytes than to its rows' loads (measured in ``blocked_product``)."""
+def _block_loop(block: int) -> Any:
+    """The loop that takes ``block`` rows at once (``x``'s row count a multiple of it): each
+    weight element, loaded once, is multiplied into ``block`` sums, which LLVM keeps in
+    registers (``block`` is a compile-time constant, so the inner loops unroll)."""
     from numba import njit, prange
 
-    compile_as = njit(_signatures(), parallel=True, fastmath=True, cache=True, boundscheck=False)
-
-    @compile_as
-    def by_twos(x: np.ndarray, weight: np.ndarray, out: np.ndarray) -> None:
+    @njit(_signatures(), parallel=True, fastmath=True, cache=True, boundscheck=False)
+    def rows_by_weight_in_blocks(x: np.ndarray, weight: np.ndarray, out: np.ndarray) -> None:
         rows, k = x.shape
         for j in prange(weight.shape[0]):
-            for b in range(0, rows, 2):
-                s0 = s1 = np.float32(0.0)
+            for b in range(0, rows, block):
+                sums = np.zeros(block, dtype=np.float32)
                 for i in range(k):
                     w = weight[j, i]
-                    s0 += x[b, i] * w
-                    s1 += x[b + 1, i] * w
-                out[b, j], out[b + 1, j] = s0, s1
+                    for r in range(block):
+                        sums[r] += x[b + r, i] * w
+                for r in range(block):
+                    out[b + r, j] = sums[r]
 
-    @compile_as
-    def by_fours(x: np.ndarray, weight: np.ndarray, out: np.ndarray) -> None:
-        rows, k = x.shape
-        for j in prange(weight.shape[0]):
-            for b in range(0, rows, 4):
-                s0 = s1 = s2 = s3 = np.float32(0.0)
-                for i in range(k):
-                    w = weight[j, i]
-                    s0 += x[b, i] * w
-                    s1 += x[b + 1, i] * w
-                    s2 += x[b + 2, i] * w
-                    s3 += x[b + 3, i] * w
-                out[b, j], out[b + 1, j], out[b + 2, j], out[b + 3, j] = s0, s1, s2, s3
+    return rows_by_weight_in_blocks
 
-    @compile_as
-    def by_eights(x: np.ndarray, weight: np.ndarray, out: np.ndarray) -> None:
-        rows, k = x.shape
-        for j in prange(weight.shape[0]):
-            for b in range(0, rows, 8):
-                s0 = s1 = s2 = s3 = s4 = s5 = s6 = s7 = np.float32(0.0)
-                for i in range(k):
-                    w = weight[j, i]
-                    s0 += x[b, i] * w
-                    s1 += x[b + 1, i] * w
-                    s2 += x[b + 2, i] * w
-                    s3 += x[b + 3, i] * w
-                    s4 += x[b + 4, i] * w
-                    s5 += x[b + 5, i] * w
-                    s6 += x[b + 6, i] * w
-                    s7 += x[b + 7, i] * w
-                out[b, j], out[b + 1, j], out[b + 2, j], out[b + 3, j] = s0, s1, s2, s3
-                out[b + 4, j], out[b + 5, j], out[b + 6, j], out[b + 7, j] = s4, s5, s6, s7
 
-    return {2: by_twos, 4: by_fours, 8: by_eights}
+@cache
+def _blocks() -> dict[int, Any]:
+    """Loops by twos, fours and eights. The row-invariant loop loads each weight element again
+    for every row; these load it once for the block, so a step of several rows costs closer
+    to its weight's bytes than to its rows' loads (measured in ``blocked_product``)."""
+    return {block: _block_loop(block) for block in (2, 4, 8)}
 
 
 def _checked(x: np.ndarray, weight: np.ndarray) -> np.ndarray:
