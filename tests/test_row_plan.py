@@ -26,22 +26,28 @@ def _alone(x: mx.array, w: mx.array) -> np.ndarray:
     return np.concatenate([np.array(x[i : i + 1] @ w.T) for i in range(x.shape[0])])
 
 
-@pytest.mark.parametrize("shape", [(1024, 640), (640, 2048), (192, 576)])
-def test_every_row_of_a_planned_product_has_its_one_row_bits(shape):
+@pytest.mark.parametrize("shape", [(1024, 640), (640, 2048), (2048, 640), (192, 576)])
+def test_a_planned_product_gives_every_row_its_one_row_bits_and_no_plan_means_it_cannot(shape):
+    """Which shapes get a plan depends on the CPU (OpenBLAS picks its kernels by it: with AVX2
+    a product of up to 12 rows keeps one-row bits and larger ones do at some positions; on
+    an AVX-only EPYC some shapes keep them at every row count and others not even at 2), so
+    each verdict is checked against the definition: a plan's rows are each row alone, and
+    a shape without one has a plain product of at most 8 rows that is not."""
     rng = np.random.default_rng(21)
     w = mx.array(rng.standard_normal(shape).astype(np.float32))
     plan = measure(w)
-    assert plan is not None and plan.small >= 8 and plan.room >= MAX_ROWS
-    assert all(size % GROUP == 0 and len(p) < size for size, p in plan.sizes)
     x = mx.array(rng.standard_normal((max(ROWS) + 5, shape[1])).astype(np.float32))
     alone = _alone(x, w)
+    if plan is None:
+        assert any(not np.array_equal(np.array(x[:m] @ w.T), alone[:m]) for m in range(2, 9)), shape
+        return
+    assert plan.small >= 8 and plan.room >= MAX_ROWS
+    assert all(size % GROUP == 0 and len(p) <= size for size, p in plan.sizes)
     for n in ROWS:
         for start in (0, 5):
             got = np.array(plan.matmul(x[start : start + n], w))
             assert got.shape == (n, shape[0])
             assert np.array_equal(got, alone[start : start + n]), (shape, n, start)
-    # MLX's own product of as many rows differs in some of them: what the plan is for
-    assert not np.array_equal(np.array(x[:256] @ w.T), alone[:256])
 
 
 def test_a_shape_without_a_plan_keeps_sgemv_rows(tiny_dirs):
@@ -56,18 +62,19 @@ def test_a_shape_without_a_plan_keeps_sgemv_rows(tiny_dirs):
 
 
 def test_a_models_planned_layers_give_a_row_the_same_bits_in_any_number_of_rows(tmp_path):
-    """A llama wide enough for plans: its planned layers (and any left to sgemv) compute
-    every row as that row alone, and the whole body stays the model's function."""
+    """A llama with Gemma 3 270M's widths (hidden 640, MLP 2048, 4 heads of 256, one KV head):
+    its planned layers (and any left to sgemv) compute every row as that row alone, and the
+    whole body stays the model's function."""
     path = make_tiny_model_dir(
-        tmp_path / "wide", "llama", hidden_size=512, intermediate_size=1024, num_attention_heads=8,
-        num_key_value_heads=2, num_hidden_layers=1,
+        tmp_path / "wide", "llama", hidden_size=640, intermediate_size=2048, num_attention_heads=4,
+        num_key_value_heads=1, head_dim=256, num_hidden_layers=1,
     )  # fmt: skip
     model = load(path, progress=False).model
     fast = with_fast_linears(model, all_rows=True)
     assert isinstance(fast, ProjectedModel) and fast._all_rows
     layers = [m for _, m in fast.body.named_modules() if isinstance(m, GemvLinear)]
     planned = [layer for layer in layers if layer._plan is not None]
-    assert len(planned) >= 4  # q/o and the MLP's three (k/v, 128 rows, may have none)
+    assert planned  # the MLP's shapes have plans with AVX2 and on the AVX-only EPYC alike
     rng = np.random.default_rng(22)
     for layer in layers:
         cols = layer.linear["weight"].shape[1]
