@@ -20,7 +20,9 @@ and side by side, for each model and context length:
   scheduler's path, and with ``greedy`` the temperature-0 one, without
   ``kvshelf.model.skinny``'s few-row products (MLX's matmuls, the head one sgemv per row),
   and (``--paths no-blocks``) the scheduler's path with those products row-invariant
-  (``skinny_product``) instead of in register blocks (``blocked_product``);
+  (``skinny_product``) instead of in register blocks (``blocked_product``), and
+  (``--paths no-native``) the scheduler's path with its layers through MLX's graph (the
+  module path) instead of ``kvshelf.model.native_decode``'s numpy step;
 - mlx-lm's own step on the same model with its fp32 ``KVCache``/``RotatingKVCache``
   (batch 1: what ``mlx_lm.generate`` runs);
 - the floor: the model's weight bytes (and weights + K/V bytes) divided by the memory
@@ -116,6 +118,7 @@ PATHS = (
     "mlx-sdpa",
     "no-skinny",
     "no-blocks",
+    "no-native",
 )
 
 
@@ -157,8 +160,11 @@ def run(
         toggled = engine_forward(model, blis=not blis_default)  # the other setting of BLIS for a batch's rows
         toggled_name = "no-blis" if blis_default else "blis"
         head_only = with_fast_head(model)  # the previous engine path: only the batch-1 head through sgemv
-        one_row = with_fast_linears(model, one_row=True)  # batch 1's layer projections through sgemv too
-        mlx_sdpa = with_fast_linears(model, grouped=False)  # decode attention through MLX's own (per query head)
+        # batch 1's layer projections through sgemv too, and decode attention through MLX's own (per
+        # query head): both in the module path, so without the native step
+        one_row = with_fast_linears(model, one_row=True, native=False)
+        mlx_sdpa = with_fast_linears(model, grouped=False, native=False)
+        no_native = with_fast_linears(model, native=False) if "no-native" in paths else None
         no_skinny = with_fast_linears(model, skinny=False)  # the projections as before kvshelf.model.skinny
         no_blocks = without_row_blocks(model) if "no-blocks" in paths else None
         # what a temperature-0 request runs (LoadedModel.greedy_forward): the shape-invariant kernels
@@ -200,6 +206,8 @@ def run(
                         kinds.append((True, f"{scheme} no skinny", no_skinny))
                     if no_blocks is not None:
                         kinds.append((True, f"{scheme} no row blocks", no_blocks))
+                    if no_native is not None:
+                        kinds.append((True, f"{scheme} no native step", no_native))
                     if greedy is not None:
                         kinds.append((True, f"{scheme} greedy (shape-invariant)", greedy))
                     if greedy_no_skinny is not None:

@@ -42,6 +42,11 @@ class BatchLayerView(PackedFetch):
         self._quantized_fetch = False
 
     @property
+    def dense_decode(self) -> bool:
+        """Whether the step's fetch is dense: every member's is (see ``QuantizedLayerCache``)."""
+        return all(m.dense_decode for m in self.members)
+
+    @property
     def offset(self) -> mx.array:
         """Per-agent RoPE offsets."""
         return mx.array([m.offset for m in self.members])

@@ -151,6 +151,12 @@ class QuantizedLayerCache(PackedFetch, _BaseCache):
 
     QUANTIZED_DECODE = True
 
+    @property
+    def dense_decode(self) -> bool:
+        """Whether a decode step's fetch hands over dense K/V (else packed rows, for
+        ``quantized_matmul``): what ``kvshelf.model.native_decode`` takes."""
+        return not self.QUANTIZED_DECODE
+
     def __init__(self, layer: LayerSpec, bits: int = 4, group_size: int = 64):
         self.layer = layer
         self.window = layer.window

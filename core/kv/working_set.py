@@ -121,6 +121,10 @@ class DecodeLayer(BatchLayerView):
 
     # -- mlx-lm cache protocol ---------------------------------------------------------
     @property
+    def dense_decode(self) -> bool:
+        return self._dense
+
+    @property
     def offset(self) -> Any:
         if len(self.members) == 1:
             return self.members[0].offset

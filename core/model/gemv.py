@@ -43,6 +43,7 @@ from kvshelf.model.few_rows import MAX_FEW_ROWS, Gemm, batches_through_blis, gem
 from kvshelf.model.grouped_attention import grouped_attention_body
 from kvshelf.model.head import ProjectedModel, buffer_view, with_fast_head
 from kvshelf.model.module_tree import with_children
+from kvshelf.model.native_decode import native_decoder
 from kvshelf.model.row_plan import RowPlan, measure
 from kvshelf.model.sgemv import Sgemv, each_row, system_sgemv
 from kvshelf.model.skinny import MAX_LAYER_ROWS, MIN_LAYER_BYTES, blocked_product
@@ -232,6 +233,7 @@ def with_fast_linears(
     grouped: bool = GROUPED_DECODE,
     plans: bool = True,
     skinny: bool = True,
+    native: bool = True,
 ) -> nn.Module | ProjectedModel:
     """``with_fast_head(model)`` whose body also runs its batch-1 projections through sgemv
     (``one_row``) and a decode batch's through BLIS (``batches``; None: ``few_rows``'s default),
@@ -247,7 +249,11 @@ def with_fast_linears(
     and an architecture that is body then projection), and only if the copied body is
     the same function: bit-identical to the model's own body on a multi-token probe
     (every row there goes through MLX's matmul in both). ``head``: ``with_fast_head(model)``
-    already built (a ``LoadedModel``'s ``forward``), so its probe is not run twice."""
+    already built (a ``LoadedModel``'s ``forward``), so its probe is not run twice.
+
+    ``native``: the default kernels' decode steps (up to MAX_LAYER_ROWS agents, the skinny
+    products) run their layers on numpy rows (``kvshelf.model.native_decode``) where the
+    architecture is one it knows and its probe agrees with the body; never ``all_rows``'s."""
     fast = _head_of(model, head, skinny)
     sgemv = system_sgemv()
     if not isinstance(fast, ProjectedModel) or sgemv is None:
@@ -279,7 +285,10 @@ def with_fast_linears(
     if not same:
         return _with_attention(fast, invariant, grouped)
     body = _attention_body(body, invariant, grouped)
-    return ProjectedModel(model, fast._project, fast._head, sgemv, body=body, all_rows=all_rows, skinny=skinny)
+    decoder = native_decoder(model, skinny_rows, body) if native and skinny_rows is not None else None
+    return ProjectedModel(
+        model, fast._project, fast._head, sgemv, body=body, all_rows=all_rows, skinny=skinny, native=decoder
+    )
 
 
 def _head_of(model: nn.Module, built: nn.Module | ProjectedModel | None, skinny: bool) -> nn.Module | ProjectedModel:

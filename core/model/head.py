@@ -1,21 +1,23 @@
-"""The output projection at the BLAS's speed: one row through ``sgemv``, not ``sgemm``.
+"""The output projection at memory speed: a decode step's rows read the head once.
 
 MLX's CPU backend runs every matmul as ``cblas_sgemm``. For the output projection of a
-single decoding agent (``h @ W.T`` with ``h`` of shape 1×hidden and ``W`` the
-vocab×hidden head, 262144×640 fp32 = 671 MB for the embedded Gemma 3) a 1-row sgemm
-costs 1.7-2.4× what a matrix-vector product costs on the same memory (measured 64 vs
-29 ms), presumably because OpenBLAS packs the matrix for a product whose other side is
-one vector (``benchmarks/mlx_gemv_repro.py`` shows it in a few lines, for upstream).
+decode step (``h @ W.T`` with ``h`` one row per agent and ``W`` the vocab×hidden head,
+262144×640 fp32 = 671 MB for the embedded Gemma 3) that sgemm costs 1.7-2.4× what
+reading the head once costs (measured 64 vs 29 ms for one row), because OpenBLAS packs
+the matrix for a product whose other side is a few vectors
+(``benchmarks/mlx_gemv_repro.py`` shows it in a few lines, for upstream).
 
 ``ProjectedModel`` composes an mlx-lm model without changing it: it runs the model's
-body (``model.model``), then the projection itself. At batch 1 the last position (the
-only one a decoder samples from), and each agent's row of a decode step of up to
-``MAX_FEW_ROWS`` agents, goes to ``cblas_sgemv`` over a zero-copy numpy view of MLX's
-weight buffer, one call per row (``kvshelf.model.sgemv.each_row``: a batch's rows read the
-head in cache-sized blocks, so 8 rows cost 62 ms where MLX's 8-row sgemm took 76 and 8
-plain sgemv passes 147; ``benchmarks/results/head-rows-20261202-140516.json``); all other
-rows (the positions before the last of a long call) go through MLX's own matmul,
-bit-identical to the model's own call.
+body (``model.model``; for a decode step of the default kernels, its numpy equivalent,
+``kvshelf.model.native_decode``), then the projection itself. At batch 1 the last
+position (the only one a decoder samples from), and each agent's row of a decode step of
+up to ``MAX_FEW_ROWS`` agents, go through ``kvshelf.model.skinny`` over a zero-copy numpy
+view of MLX's weight buffer: the row-invariant loop for the temperature-0 kernels (a
+row's bits its own in any batch), register blocks of 2, 4 or 8 rows for the default ones
+(``benchmarks/head_rows.py``: 8 rows in 50 ms where MLX's sgemm takes 136). Without numba,
+one ``cblas_sgemv`` per row (``kvshelf.model.sgemv.each_row``). All other rows (the
+positions before the last of a long call) go through MLX's own matmul, bit-identical to
+the model's own call.
 
 The sgemv is the one of the OpenBLAS that MLX's own matmuls use (``kvshelf.model.blas``
 preloads it), called through ctypes (``kvshelf.model.sgemv``), not numpy's ``W @ h``: numpy bundles a second
@@ -65,6 +67,7 @@ import numpy as np
 from kvshelf.model.arrays import borrow
 from kvshelf.model.dot_bound import dot_error_bound
 from kvshelf.model.few_rows import MAX_FEW_ROWS, Gemm
+from kvshelf.model.native_decode import NativeDecoder
 from kvshelf.model.sgemv import Sgemv, each_row, system_sgemv
 from kvshelf.model.skinny import blocked_product, skinny_product
 
@@ -115,6 +118,7 @@ class ProjectedModel:
         body: nn.Module | None = None,
         all_rows: bool = False,
         skinny: bool = True,
+        native: NativeDecoder | None = None,
     ) -> None:
         self.inner = model
         # What runs before the projection: the model's own body, or the same function
@@ -133,6 +137,9 @@ class ProjectedModel:
         self.skinny = skinny
         few = skinny_product() if all_rows else blocked_product()
         self._rows_apart: Gemm = (skinny and few) or partial(each_row, sgemv)
+        # Decode steps the body's layers on numpy rows instead (kvshelf.model.native_decode),
+        # where given and the call is one it takes; every other call goes through ``body``.
+        self.native = native
 
     def __getattr__(self, name: str) -> Any:
         if name == "inner":  # not set yet (copy, unpickling): no recursion
@@ -174,6 +181,8 @@ class ProjectedModel:
         return mx.concatenate([self._project(hidden[:, :-1]), last], axis=1)
 
     def __call__(self, inputs: mx.array, cache: Any = None, **kwargs: Any) -> mx.array:
+        if self.native is not None and not kwargs and self.native.takes(inputs, cache):
+            return self.project(self.native(inputs, cache))
         return self.project(self.body(inputs, cache, **kwargs))
 
 

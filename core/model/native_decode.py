@@ -1,0 +1,299 @@
+"""A decode step's layers outside MLX's graph: numpy rows and the skinny products.
+
+Why: a decode step multiplies a few rows by every weight, and between those products sit
+norms, RoPE, residuals, activations and attention over a few hundred floats per agent.
+Through MLX's CPU backend each of them is an operation to schedule, and each layer
+projection run outside its graph (``kvshelf.model.skinny``, twice MLX's speed) makes MLX
+evaluate the step up to it. On the embedded Gemma 3 at 1K context and batch 1 the
+default kernels' body took 92 ms of a 120 ms step whose layers' weights take 19.6 ms to
+read (``benchmarks/decode_profile.py``, ``results/decode-profile-20261203-164817.json``).
+Here every layer runs on numpy rows (``kvshelf.model.native_ops``) and the blocked skinny
+product; MLX runs only the cache's own update and fetch (coding the new row, the decode
+working set), one evaluation per layer. The head is the caller's
+(``kvshelf.model.head.ProjectedModel``).
+
+Which models: mlx-lm's Gemma 3 text model and its llama family (Llama, SmolLM2, ...), fp32
+on the CPU, plain bias-free projections, ``nn.RoPE`` or ``Llama3RoPE``; anything else is
+None here and keeps the module path. Which calls: decode steps of 1..``MAX_LAYER_ROWS``
+agents over caches that hand over dense K/V (``dense_decode``: the KV schemes' working
+sets; plain Q4's packed rows go to ``quantized_matmul`` in the module path).
+
+Exactness: the same function as the model to fp32 rounding, not bit for bit (numpy's
+sums and MLX's differ in order); checked when built, against the model's own call on a
+probe, and in ``tests/test_native_decode.py``. Only the default kernels (sampling) run
+it: temperature-0 requests keep the shape-invariant kernels, whose K/V must have the bits
+a prefill gives them. Given the same state, a step gives the same bits every time, so an
+agent restored from disk continues bit-identically to one kept in RAM.
+``KVSHELF_NO_NATIVE_DECODE=1`` keeps the module path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx_lm.models.base import create_attention_mask
+
+from kvshelf.model.arrays import borrow
+from kvshelf.model.few_rows import Gemm
+from kvshelf.model.native_ops import F32, Rope, attend, gelu_approx, mask_bias, rms_norm, silu
+from kvshelf.model.skinny import MAX_LAYER_ROWS
+from kvshelf.switches import env_on
+
+OFF = env_on("KVSHELF_NO_NATIVE_DECODE")
+
+# How far the native step's hidden state may lie from the model's own on the build probe,
+# relative to its largest element: fp32 rounding through every layer, far below any
+# difference a wrong formula makes (a wrong RoPE, norm or mask is off by 10% or more).
+PROBE_TOLERANCE = 1e-4
+
+
+def _view(a: mx.array) -> np.ndarray:
+    return np.asarray(borrow(a))
+
+
+def _plain_weight(layer: Any) -> np.ndarray | None:
+    """A bias-free fp32 ``nn.Linear``'s weight as a numpy view, else None."""
+    if type(layer) is not nn.Linear or "bias" in layer or layer["weight"].dtype != mx.float32:
+        return None
+    w = _view(layer["weight"])
+    return w if w.flags.c_contiguous else None
+
+
+@dataclass
+class NativeLayer:
+    """One transformer layer's weights (numpy views over MLX's buffers) and settings."""
+
+    q: np.ndarray
+    k: np.ndarray
+    v: np.ndarray
+    o: np.ndarray
+    gate: np.ndarray
+    up: np.ndarray
+    down: np.ndarray
+    norms: dict[str, np.ndarray]  # the norm weights as the norm multiplies (Gemma's 1 + w)
+    rope: Rope
+    heads: int
+    kv_heads: int
+    scale: float
+    sliding: bool
+
+
+def _norm_weight(norm: Any, offset: float) -> np.ndarray:
+    return (_view(norm["weight"]).astype(F32) + F32(offset)).astype(F32)
+
+
+def _layer(block: Any, norms: dict[str, Any], offset: float, sliding: bool) -> NativeLayer | None:
+    attn, mlp = block.self_attn, block.mlp
+    weights = [_plain_weight(m) for m in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj)]
+    weights += [_plain_weight(m) for m in (mlp.gate_proj, mlp.up_proj, mlp.down_proj)]
+    rope = Rope.of(attn.rope)
+    if rope is None or any(w is None for w in weights):
+        return None
+    q, k, v, o, gate, up, down = weights
+    assert q is not None and k is not None and v is not None and o is not None  # checked above
+    assert gate is not None and up is not None and down is not None
+    return NativeLayer(
+        q, k, v, o, gate, up, down,
+        norms={name: _norm_weight(n, offset) for name, n in norms.items()},
+        rope=rope, heads=attn.n_heads, kv_heads=attn.n_kv_heads, scale=float(attn.scale), sliding=sliding,
+    )  # fmt: skip
+
+
+class NativeDecoder:
+    """A model's body (embedding, layers, final norm) for decode steps, on numpy rows.
+
+    Called like the body on (B, 1) tokens and the caches; returns the (B, 1, hidden)
+    hidden states as an MLX array. ``takes`` says whether a call is one it runs."""
+
+    kind = "base"
+
+    def __init__(self, body: Any, layers: list[NativeLayer], product: Gemm, eps: float, embed_scale: float | None):
+        self.layers = layers
+        self._product = product
+        self._eps = eps
+        self._embed_scale = embed_scale
+        self._embed = _view(body.embed_tokens["weight"])
+        self._final = _norm_weight(body.norm, self.norm_offset)
+        self.window: int | None = None
+
+    norm_offset = 0.0
+
+    def takes(self, inputs: mx.array, cache: Any) -> bool:
+        """A decode step (one token per agent, at most ``MAX_LAYER_ROWS`` agents) over caches
+        that hand over dense K/V."""
+        return (
+            isinstance(cache, Sequence)
+            and len(cache) == len(self.layers)
+            and inputs.ndim == 2
+            and inputs.shape[1] == 1
+            and 1 <= inputs.shape[0] <= MAX_LAYER_ROWS
+            and all(getattr(c, "dense_decode", False) for c in cache)
+        )
+
+    def _masks(self, inputs: mx.array, cache: Sequence[Any]) -> tuple[Any, Any]:
+        """The full-attention and sliding-window masks, from the caches the model takes them from."""
+        raise NotImplementedError
+
+    def _block(self, layer: NativeLayer, h: np.ndarray, mask: np.ndarray | None, cache: Any) -> np.ndarray:
+        raise NotImplementedError
+
+    def __call__(self, inputs: mx.array, cache: Sequence[Any]) -> mx.array:
+        tokens = np.asarray(inputs).reshape(-1)
+        h = self._embed[tokens].astype(F32)
+        if self._embed_scale is not None:
+            h *= F32(self._embed_scale)
+        full, sliding = (mask_bias(m) for m in self._masks(inputs, cache))
+        for layer, c in zip(self.layers, cache):
+            h = self._block(layer, h, sliding if layer.sliding else full, c)
+        h = rms_norm(h, self._final, self._eps)
+        return mx.array(h[:, None, :])
+
+    def _attention(self, layer: NativeLayer, x: np.ndarray, mask: np.ndarray | None, cache: Any) -> np.ndarray:
+        """Projections, RoPE at each agent's own position, the cache's update and fetch (MLX),
+        attention over what it fetched and the output projection."""
+        b = x.shape[0]
+        d = layer.q.shape[0] // layer.heads
+        q = self._product(x, layer.q).reshape(b, layer.heads, d)
+        k = self._product(x, layer.k).reshape(b, layer.kv_heads, d)
+        v = self._product(x, layer.v).reshape(b, layer.kv_heads, -1)
+        if "q" in layer.norms:
+            q, k = rms_norm(q, layer.norms["q"], self._eps), rms_norm(k, layer.norms["k"], self._eps)
+        positions = np.broadcast_to(np.asarray(cache.offset).reshape(-1), (b,))
+        cos, sin = layer.rope.tables(positions)
+        q, k = layer.rope(q, cos, sin), layer.rope(k, cos, sin)
+        keys, values = cache.update_and_fetch(mx.array(k[:, :, None, :]), mx.array(v[:, :, None, :]))
+        if isinstance(keys, tuple) or isinstance(values, tuple):
+            raise TypeError("the native decode step takes dense K/V; this cache handed over packed rows")
+        mx.eval(keys, values)
+        out = attend(q, _view(keys), _view(values), mask, layer.scale)
+        return self._product(out, layer.o)
+
+
+class Gemma3Decoder(NativeDecoder):
+    """mlx-lm's ``gemma3_text``: four norms a layer (weights stored as ``w - 1``), q/k norms,
+    GELU (tanh), local and global layers, the embedding scaled by sqrt(hidden) in bf16."""
+
+    kind = "gemma3_text"
+    norm_offset = 1.0
+
+    def __init__(self, body: Any, layers: list[NativeLayer], product: Gemm, eps: float, window: int, pattern: int):
+        # mlx-lm scales the embedding by sqrt(hidden) rounded to bf16
+        scale = np.array(mx.array(body.args.hidden_size**0.5, mx.bfloat16).astype(mx.float32)).item()
+        super().__init__(body, layers, product, eps, scale)
+        self.window, self._pattern = window, pattern
+
+    def _masks(self, inputs: mx.array, cache: Sequence[Any]) -> tuple[Any, Any]:
+        full = create_attention_mask(inputs, cache[self._pattern - 1])
+        sliding = create_attention_mask(inputs, cache[0], window_size=self.window) if self._pattern > 1 else None
+        return full, sliding
+
+    def _block(self, layer: NativeLayer, h: np.ndarray, mask: np.ndarray | None, cache: Any) -> np.ndarray:
+        n, eps = layer.norms, self._eps
+        r = self._attention(layer, rms_norm(h, n["input"], eps), mask, cache)
+        h = h + rms_norm(r, n["post_attention"], eps)
+        x = rms_norm(h, n["pre_feedforward"], eps)
+        r = self._product(gelu_approx(self._product(x, layer.gate)) * self._product(x, layer.up), layer.down)
+        return h + rms_norm(r, n["post_feedforward"], eps)
+
+
+class LlamaDecoder(NativeDecoder):
+    """mlx-lm's ``llama``: two norms a layer, SwiGLU, optional sliding-window layers."""
+
+    kind = "llama"
+
+    def __init__(self, body: Any, layers: list[NativeLayer], product: Gemm, eps: float):
+        super().__init__(body, layers, product, eps, None)
+        self.window = body.sliding_window
+        self._full, self._swa = body.fa_idx, body.swa_idx
+
+    def _masks(self, inputs: mx.array, cache: Sequence[Any]) -> tuple[Any, Any]:
+        full = create_attention_mask(inputs, cache[self._full])
+        if self._swa is None:
+            return full, None
+        return full, create_attention_mask(inputs, cache[self._swa], window_size=self.window)
+
+    def _block(self, layer: NativeLayer, h: np.ndarray, mask: np.ndarray | None, cache: Any) -> np.ndarray:
+        n, eps = layer.norms, self._eps
+        h = h + self._attention(layer, rms_norm(h, n["input"], eps), mask, cache)
+        x = rms_norm(h, n["post_attention"], eps)
+        return h + self._product(silu(self._product(x, layer.gate)) * self._product(x, layer.up), layer.down)
+
+
+def _gemma3(model: nn.Module, product: Gemm) -> NativeDecoder | None:
+    body, args = model.model, model.args
+    layers = []
+    for i, block in enumerate(body.layers):
+        attn = block.self_attn
+        norms = {
+            "input": block.input_layernorm, "post_attention": block.post_attention_layernorm,
+            "pre_feedforward": block.pre_feedforward_layernorm, "post_feedforward": block.post_feedforward_layernorm,
+            "q": attn.q_norm, "k": attn.k_norm,
+        }  # fmt: skip
+        sliding = i % args.sliding_window_pattern != args.sliding_window_pattern - 1
+        layer = _layer(block, norms, 1.0, sliding)
+        if layer is None:
+            return None
+        layers.append(layer)
+    return Gemma3Decoder(body, layers, product, args.rms_norm_eps, args.sliding_window, args.sliding_window_pattern)
+
+
+def _llama(model: nn.Module, product: Gemm) -> NativeDecoder | None:
+    body, args = model.model, model.args
+    layers = []
+    for block in body.layers:
+        if not isinstance(block.input_layernorm, nn.RMSNorm):
+            return None
+        norms = {"input": block.input_layernorm, "post_attention": block.post_attention_layernorm}
+        layer = _layer(block, norms, 0.0, bool(block.use_sliding))
+        if layer is None:
+            return None
+        layers.append(layer)
+    return LlamaDecoder(body, layers, product, args.rms_norm_eps)
+
+
+_ARCHITECTURES = {"mlx_lm.models.gemma3_text": _gemma3, "mlx_lm.models.llama": _llama}
+
+
+def native_decoder(model: nn.Module, product: Gemm | None, reference: Any = None) -> NativeDecoder | None:
+    """The native decode step for ``model`` if its architecture is one this runs and a probe
+    agrees with ``reference`` (the body the step replaces; default the model's own), else None.
+
+    ``product``: the layers' few-row product (``kvshelf.model.skinny.blocked_product``)."""
+    build = _ARCHITECTURES.get(type(model).__module__)
+    if OFF or product is None or build is None or mx.default_device() != mx.cpu:
+        return None
+    try:
+        decoder = build(model, product)
+    except (AttributeError, KeyError, TypeError, ValueError):  # a variant without the parts read here
+        return None
+    if decoder is None:
+        return None
+    return decoder if _agrees(model, decoder, reference if reference is not None else model.model) else None
+
+
+def probe_gap(model: nn.Module, decoder: NativeDecoder, reference: Any, steps: int = 3) -> float:
+    """The largest difference between the native step's hidden states and ``reference``'s,
+    relative to the largest hidden element, over a few decode steps of a two-agent batch
+    on mlx-lm's own caches after a short prompt."""
+    vocab = model.model.embed_tokens["weight"].shape[0]
+    prompt = mx.array([[(7 * i + 3) % vocab for i in range(9)], [(11 * i + 5) % vocab for i in range(9)]])
+    mine, theirs = model.make_cache(), model.make_cache()
+    mx.eval(reference(prompt, cache=mine), reference(prompt, cache=theirs))
+    gap = 0.0
+    for s in range(steps):
+        token = mx.array([[(13 * s + 1) % vocab], [(17 * s + 2) % vocab]])
+        got, own = np.asarray(decoder(token, mine)), np.asarray(reference(token, cache=theirs))
+        gap = max(gap, float(np.max(np.abs(got - own)) / max(float(np.max(np.abs(own))), 1e-30)))
+    return gap
+
+
+def _agrees(model: nn.Module, decoder: NativeDecoder, reference: Any) -> bool:
+    try:
+        return probe_gap(model, decoder, reference) <= PROBE_TOLERANCE
+    except (ValueError, TypeError):  # a mask or cache shape this does not read
+        return False

@@ -1,0 +1,262 @@
+"""The small operations of a decode step, on numpy rows: norms, RoPE, activations, attention.
+
+Why numpy: at decode, each of these touches a few hundred floats per agent, and MLX's CPU
+backend spends far longer scheduling such an operation (and, between the layers'
+projections that run outside its graph, evaluating the graph up to it) than computing it.
+``kvshelf.model.native_decode`` runs a whole decode step on these and
+``kvshelf.model.skinny``'s products; only the cache update stays in MLX.
+
+Each mirrors the MLX function the model calls (``mx.fast.rms_norm``, ``mx.fast.rope``,
+``nn.gelu_approx``, ``nn.silu``, mlx-lm's ``scaled_dot_product_attention``) in fp32, to
+fp32 rounding, not bit for bit: the native decoder is checked against the model's own
+call when it is built.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from kvshelf.model.blas import usable_cpus
+
+F32 = np.float32
+_GELU_C = F32(np.sqrt(2.0 / np.pi))
+
+
+@cache
+def _rms_kernel() -> Any:
+    """The norm of each row, one compiled pass (a numpy norm is five operations, 27 us a call
+    on Gemma 3's 640 floats, and a step makes 109 of them)."""
+    from numba import njit
+
+    @njit(fastmath=True, cache=True, boundscheck=False)
+    def rms_rows(x, weight, eps, out):
+        rows, n = x.shape
+        for r in range(rows):
+            total = np.float32(0.0)
+            for i in range(n):
+                total += x[r, i] * x[r, i]
+            scale = np.float32(1.0) / np.sqrt(total / np.float32(n) + eps)
+            for i in range(n):
+                out[r, i] = x[r, i] * scale * weight[i]
+
+    return rms_rows
+
+
+def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+    """``mx.fast.rms_norm(x, weight, eps)`` over the last axis (fp32 sums)."""
+    rows = np.ascontiguousarray(x, dtype=F32).reshape(-1, x.shape[-1])
+    out = np.empty_like(rows)
+    _rms_kernel()(rows, weight, F32(eps), out)
+    return out.reshape(x.shape)
+
+
+def gelu_approx(x: np.ndarray) -> np.ndarray:
+    """``nn.gelu_approx``: the tanh approximation of GELU."""
+    return F32(0.5) * x * (F32(1.0) + np.tanh(_GELU_C * (x + F32(0.044715) * x * x * x)))
+
+
+def silu(x: np.ndarray) -> np.ndarray:
+    """``nn.silu``: ``x * sigmoid(x)``."""
+    return x / (F32(1.0) + np.exp(-x))
+
+
+class Rope:
+    """``mx.fast.rope`` as an ``nn.RoPE`` (or mlx-lm's ``Llama3RoPE``, which hands it its own
+    ``freqs``) applies it: the first ``dims`` features of each head rotated by position.
+
+    The angles are MLX's own to the bit (its CPU rope is the fallback in mlx/fast.cpp: fp32
+    inverse frequencies ``exp(-i * log(base) / (dims / 2))`` or ``1 / freqs``, times the fp32
+    position): at position 3000 an angle rounded otherwise is off by 1e-4 radians."""
+
+    def __init__(self, dims: int, traditional: bool, inverse_frequencies: np.ndarray, scale: float):
+        self.dims = dims
+        self.traditional = traditional
+        self._inv = inverse_frequencies.astype(F32)
+        self.scale = scale
+
+    @classmethod
+    def of(cls, module: Any) -> Rope | None:
+        """The rotation ``module`` applies, if it is one this mirrors (else None)."""
+        if isinstance(module, nn.RoPE):
+            half = module.dims // 2
+            inv = mx.exp(mx.arange(0, -half, -1, dtype=mx.float32) * (mx.log(mx.array(module.base, mx.float32)) / half))
+            return cls(module.dims, module.traditional, np.array(inv), float(module.scale))
+        if type(module).__name__ == "Llama3RoPE":  # mlx-lm's: its own frequencies, scale 1
+            return cls(module.dims, bool(module.traditional), np.array(mx.reciprocal(module._freqs)), 1.0)
+        return None
+
+    def tables(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """cos and sin of each position's angles, (positions, dims/2), broadcast over heads."""
+        angles = (positions.astype(F32) * F32(self.scale))[:, None] * self._inv[None]
+        return np.cos(angles), np.sin(angles)
+
+    def __call__(self, x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+        """``x`` (batch, heads, head_dim) with each batch row at its own position."""
+        c, s = cos[:, None, :], sin[:, None, :]
+        d = self.dims
+        out = np.array(x, dtype=F32, copy=True)
+        if self.traditional:
+            a, b = x[..., 0:d:2], x[..., 1:d:2]
+            out[..., 0:d:2], out[..., 1:d:2] = a * c - b * s, a * s + b * c
+        else:
+            a, b = x[..., : d // 2], x[..., d // 2 : d]
+            out[..., : d // 2], out[..., d // 2 : d] = a * c - b * s, a * s + b * c
+        return out
+
+
+# What a masked score becomes: finite, so that the compiled loops may assume no infinities,
+# and so negative that its exponential is exactly zero beside any visible score.
+MASKED = F32(-np.finfo(np.float32).max)
+
+
+def mask_bias(mask: Any) -> np.ndarray | None:
+    """The model's decode mask as scores to add, (batch or 1, width) fp32: None for None or
+    ``"causal"`` (one query sees every cached column), 0 / ``MASKED`` for MLX's boolean mask
+    (True: visible), an additive mask as it is (its infinities made ``MASKED``)."""
+    if mask is None or isinstance(mask, str):
+        return None
+    m = np.asarray(mask)
+    m = m.reshape(-1, m.shape[-1]) if m.ndim <= 2 else m.reshape(m.shape[0], m.shape[-1])
+    if m.dtype == np.bool_:
+        return np.where(m, F32(0.0), MASKED)
+    return np.maximum(m.astype(F32), MASKED)
+
+
+def _rows_of(a: np.ndarray) -> tuple[np.ndarray, int]:
+    """(batch, kv_heads, width, d) keys or values as a C-contiguous (rows, d) array and its
+    pitch: head ``(b, h)``'s column ``t`` is row ``(b * kv_heads + h) * pitch + t``.
+
+    A decode working set hands over the last ``width`` columns of a larger buffer (each
+    head's rows contiguous, heads ``capacity`` rows apart): that buffer's own rows, read in
+    place, no copy. Anything laid out otherwise is copied once."""
+    b, kv, width, d = a.shape
+    s0, s1, s2, s3 = a.strides
+    item = a.itemsize
+    if s3 == item and s2 == d * item and s1 % s2 == 0 and s0 % s2 == 0:
+        pitch = s1 // s2 if kv > 1 else s0 // s2 if b > 1 else width
+        if pitch >= width and (b == 1 or kv == 1 or s0 == kv * s1):
+            rows = (b * kv - 1) * pitch + width
+            return np.lib.stride_tricks.as_strided(a, shape=(rows, d), strides=(s2, s3), writeable=False), pitch
+    return np.ascontiguousarray(a).reshape(b * kv * width, d), width
+
+
+# Columns below which a head's keys are not split between jobs: a job's fixed cost (a few
+# microseconds) would outweigh what a second core reads.
+SPLIT_COLUMNS = 512
+
+
+@cache
+def _attention_kernel() -> Any:
+    """Grouped decode attention in ``splits`` column ranges per (agent, KV head), every
+    (agent, head, range) a job across the cores: that head's query rows scored against each
+    key row once, a max-subtracted softmax and the values weighted in one pass, per range;
+    then each head's ranges merged (rescaled to the common maximum), and normalized last.
+    One agent's one KV head (Gemma 3 at batch 1) thus reads its keys on both cores
+    (compiled once per process, cached on disk by numba)."""
+    from numba import njit, prange
+
+    @njit(parallel=True, fastmath=True, cache=True, boundscheck=False)
+    def grouped_decode(q, k, v, pitch, bias, splits, out):
+        batch, kv, group, d = q.shape
+        width, dv = bias.shape[1], v.shape[1]
+        span = -(-width // splits)
+        tops = np.empty((batch * kv, splits, group), dtype=np.float32)
+        sums = np.empty((batch * kv, splits, group), dtype=np.float32)
+        parts = np.empty((batch * kv, splits, group, dv), dtype=np.float32)
+        for job in prange(batch * kv * splits):
+            head = job // splits
+            part = job - head * splits
+            b = head // kv
+            h = head - b * kv
+            base = head * pitch
+            br = b if bias.shape[0] > 1 else 0
+            lo = part * span
+            hi = min(width, lo + span)
+            n = max(hi - lo, 0)
+            scores = np.empty((group, max(n, 1)), dtype=np.float32)
+            for t in range(n):
+                for g in range(group):
+                    total = np.float32(0.0)
+                    for i in range(d):
+                        total += q[b, h, g, i] * k[base + lo + t, i]
+                    scores[g, t] = total + bias[br, lo + t]
+            for g in range(group):
+                top = MASKED
+                for t in range(n):
+                    top = max(top, scores[g, t])
+                denominator = np.float32(0.0)
+                for t in range(n):
+                    e = np.exp(scores[g, t] - top)
+                    scores[g, t] = e
+                    denominator += e
+                tops[head, part, g] = top
+                sums[head, part, g] = denominator
+            acc = np.zeros((group, dv), dtype=np.float32)
+            for t in range(n):
+                for g in range(group):
+                    p = scores[g, t]
+                    for i in range(dv):
+                        acc[g, i] += p * v[base + lo + t, i]
+            parts[head, part] = acc
+        for head in prange(batch * kv):
+            b = head // kv
+            h = head - b * kv
+            for g in range(group):
+                top = MASKED
+                for part in range(splits):
+                    top = max(top, tops[head, part, g])
+                denominator = np.float32(0.0)
+                for i in range(dv):
+                    out[b, h, g, i] = 0.0
+                for part in range(splits):
+                    weight = np.exp(tops[head, part, g] - top)
+                    denominator += weight * sums[head, part, g]
+                    for i in range(dv):
+                        out[b, h, g, i] += weight * parts[head, part, g, i]
+                scale = np.float32(1.0) / denominator
+                for i in range(dv):
+                    out[b, h, g, i] *= scale
+
+    return grouped_decode
+
+
+def column_splits(heads: int, width: int) -> int:
+    """How many column ranges each of ``heads`` (agent, KV head) pairs is cut into: enough
+    for every core to have a job, none shorter than ``SPLIT_COLUMNS``."""
+    return max(1, min(-(-usable_cpus() // heads), width // SPLIT_COLUMNS))
+
+
+def attend(
+    q: np.ndarray,
+    keys: np.ndarray,
+    values: np.ndarray,
+    bias: np.ndarray | None,
+    scale: float,
+    splits: int | None = None,
+) -> np.ndarray:
+    """One query row per agent against its cached keys: (batch, heads, head_dim) queries,
+    (batch, kv_heads, width, head_dim) keys and values (a working set's strides read in
+    place), ``bias`` from ``mask_bias`` (None: every column); each KV head read once for
+    the query heads that share it; each head's columns in ``splits`` ranges (None:
+    ``column_splits``). Returns (batch, heads * value_dim)."""
+    b, heads, d = q.shape
+    kv, width = keys.shape[1], keys.shape[2]
+    if bias is None:
+        bias = np.zeros((1, width), dtype=F32)
+    if bias.shape[1] != width or bias.shape[0] not in (1, b):
+        raise ValueError(f"a decode mask of shape {bias.shape} for {b} rows of {width} columns")
+    k, pitch = _rows_of(keys)
+    v, v_pitch = _rows_of(values)
+    if v_pitch != pitch:
+        v = np.ascontiguousarray(values).reshape(b * kv * width, values.shape[3])
+        k, pitch = np.ascontiguousarray(keys).reshape(b * kv * width, d), width
+    grouped = np.ascontiguousarray((q * F32(scale)).reshape(b, kv, heads // kv, d))
+    out = np.empty((b, kv, heads // kv, values.shape[3]), dtype=F32)
+    splits = column_splits(b * kv, width) if splits is None else splits
+    _attention_kernel()(grouped, k, v, pitch, np.ascontiguousarray(bias, dtype=F32), splits, out)
+    return out.reshape(b, heads * values.shape[3])

@@ -1,0 +1,233 @@
+"""The native decode step (``kvshelf.model.native_decode``) computes the model's own decode
+step: its numpy operations match MLX's, a step from any cache state matches the module
+path's to fp32 rounding (a batch of agents at other positions, through a key block's
+closing and a window's move), the decode working set and the per-step caches give it the
+same bits, a restored agent continues bit-identically, and it steps aside for calls it does
+not run (plain Q4's packed rows, prefill, architectures it does not know)."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+from mlx_lm.models.rope_utils import Llama3RoPE
+
+from kvshelf.kv.agent_cache import AgentCache
+from kvshelf.kv.batch import batch_views
+from kvshelf.kv.record import agent_cache_from_record, agent_record
+from kvshelf.kv.schemes import DEFAULT_SCHEME, SCHEMES
+from kvshelf.kv.working_set import WorkingSets
+from kvshelf.model.blas import usable_cpus
+from kvshelf.model.gemv import with_fast_linears
+from kvshelf.model.head import ProjectedModel
+from kvshelf.model.loader import load
+from kvshelf.model.native_decode import PROBE_TOLERANCE, NativeDecoder, probe_gap
+from kvshelf.model.native_ops import SPLIT_COLUMNS, Rope, attend, column_splits, gelu_approx, mask_bias, rms_norm, silu
+from kvshelf.model.skinny import MAX_LAYER_ROWS
+
+KINDS = ["llama", "gemma3_text"]
+# A dense scheme with rotated keys and fp16 sinks beside the default (KIVI keys, rotated values).
+DENSE_SCHEMES = [DEFAULT_SCHEME, "q4-g64-rot-sink4"]
+STEPS = 30
+# One step from the same state, native against the module path: fp32 rounding only.
+STEP_TOLERANCE = 1e-4
+
+
+@pytest.fixture(scope="module")
+def models(tiny_dirs):
+    return {kind: load(tiny_dirs[kind], progress=False) for kind in [*KINDS, "deepseek_v2"]}
+
+
+def close(got: np.ndarray, want: np.ndarray, tolerance: float) -> bool:
+    return float(np.max(np.abs(got - want))) <= tolerance * float(np.max(np.abs(want)))
+
+
+def prefilled(loaded, scheme: str, n: int, seed: int) -> AgentCache:
+    cache = AgentCache.empty(loaded.spec, SCHEMES[scheme])
+    tokens = np.random.default_rng(seed).integers(0, 128, n).tolist()
+    mx.eval(loaded.model(mx.array(tokens)[None], cache=cache.layers), cache.arrays())
+    cache.tokens = tokens
+    return cache
+
+
+def per_step(agents: list[AgentCache]):
+    return agents[0].layers if len(agents) == 1 else batch_views([a.layers for a in agents])
+
+
+def logits(forward, agents: list[AgentCache], tokens: list[int], caches, working: WorkingSets | None = None):
+    out = forward(mx.array([[t] for t in tokens]), cache=caches)[:, -1]
+    mx.eval(out, [a for c in agents for a in c.arrays()], working.arrays() if working is not None else [])
+    return np.array(out)
+
+
+# -- the operations ---------------------------------------------------------------------------
+
+
+def test_the_operations_match_mlx():
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((3, 4, 64)).astype(np.float32)
+    w = rng.standard_normal(64).astype(np.float32)
+    assert close(rms_norm(x, w, 1e-6), np.array(mx.fast.rms_norm(mx.array(x), mx.array(w), 1e-6)), 1e-6)
+    assert close(gelu_approx(x), np.array(nn.gelu_approx(mx.array(x))), 1e-6)
+    assert close(silu(x), np.array(nn.silu(mx.array(x))), 1e-6)
+    positions = np.array([0, 7, 3000])
+    ropes = [
+        nn.RoPE(64, traditional=False, base=10000.0),
+        nn.RoPE(64, traditional=True, base=500.0, scale=0.25),
+        nn.RoPE(32, traditional=False, base=1e6),  # partial rotary: the rest passes through
+        Llama3RoPE(64, max_position_embeddings=8192, base=500000.0, scaling_config={"factor": 8.0}),
+    ]
+    for module in ropes:
+        rope = Rope.of(module)
+        assert rope is not None
+        got = rope(x, *rope.tables(positions))
+        for b, p in enumerate(positions):
+            want = np.array(module(mx.array(x[b : b + 1, :, None, :]), offset=int(p)))[0, :, 0]
+            assert close(got[b], want, 1e-5), type(module).__name__
+    assert Rope.of(nn.Linear(2, 2)) is None
+
+
+@pytest.mark.parametrize("layout", ["working set", "contiguous", "transposed"])
+@pytest.mark.parametrize("mask_kind", ["none", "bool", "additive"])
+@pytest.mark.parametrize("shape", [(3, 8, 2, 37, 64), (1, 4, 1, 1100, 256)])
+def test_attention_matches_mlx_with_grouped_heads_and_masks(mask_kind, layout, shape):
+    """Several agents and KV heads; and one agent's one KV head on a long context, its
+    columns cut into ranges for the cores (merged by their maxima), in 1, 2 or 3 ranges."""
+    rng = np.random.default_rng(1)
+    b, heads, kv, width, d = shape
+    q = rng.standard_normal((b, heads, d)).astype(np.float32)
+    buffers = [rng.standard_normal((b, kv, width + 9, d)).astype(np.float32) for _ in range(2)]
+    if layout == "working set":  # the last columns of a larger buffer, read in place
+        keys, values = (x[:, :, 9:] for x in buffers)
+    elif layout == "contiguous":
+        keys, values = (np.ascontiguousarray(x[:, :, 9:]) for x in buffers)
+    else:  # heads outermost: laid out otherwise, so copied
+        keys, values = (np.ascontiguousarray(x[:, :, 9:].transpose(1, 0, 2, 3)).transpose(1, 0, 2, 3) for x in buffers)
+    mask: np.ndarray | None = None
+    if mask_kind == "bool":  # each agent sees its own last columns
+        mask = np.arange(width)[None, None, None, :] >= np.array([0, 10, 30])[:b, None, None, None]
+    elif mask_kind == "additive":
+        mask = np.where(np.arange(width) % 3 == 0, -np.inf, 0.0).astype(np.float32)[None, None, None, :]
+    given = None if mask is None else mx.array(mask)
+    want = mx.fast.scaled_dot_product_attention(
+        mx.array(q[:, :, None, :]), mx.array(keys), mx.array(values), scale=0.125, mask=given
+    )
+    for splits in (None, 1, 2, 3):
+        got = attend(q, keys, values, mask_bias(mask), 0.125, splits)
+        assert close(got, np.array(want).reshape(b, heads * d), 1e-5), splits
+    if width >= 2 * SPLIT_COLUMNS:
+        assert column_splits(b * kv, width) == min(2, usable_cpus())
+    with pytest.raises(ValueError, match="decode mask"):
+        attend(q, keys, values, np.zeros((b, width + 1), dtype=np.float32), 0.125)
+
+
+# -- whole steps --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_native_step_is_built_and_its_probe_rejects_a_wrong_step(models, kind):
+    loaded = models[kind]
+    forward = loaded.forward
+    assert isinstance(forward, ProjectedModel) and isinstance(forward.native, NativeDecoder)
+    assert forward.native.kind == kind
+    assert probe_gap(loaded.model, forward.native, loaded.model.model) <= PROBE_TOLERANCE
+    wrong = with_fast_linears(loaded.model).native  # another decoder over the same weights
+    assert wrong is not None and wrong is not forward.native
+    wrong.layers[0].rope.scale *= 1.5  # a RoPE that rotates by the wrong angles
+    assert probe_gap(loaded.model, wrong, loaded.model.model) > 100 * PROBE_TOLERANCE
+    # the shape-invariant kernels (temperature 0) and an explicit opt-out keep the module path
+    assert getattr(loaded.greedy_forward, "native", None) is None
+    assert with_fast_linears(loaded.model, native=False).native is None
+
+
+@pytest.mark.parametrize("scheme", DENSE_SCHEMES)
+@pytest.mark.parametrize("kind", KINDS)
+def test_every_step_matches_the_module_path_through_a_block_and_a_window_move(models, kind, scheme):
+    """Along a run of three agents (one joins late and leaves early; prompts end just before
+    a 256-token block fills, and gemma's 16-token window moves), each step is taken twice
+    from the same state: through the native step, on forks, and through the model's own call."""
+    loaded = models[kind]
+    agents = [prefilled(loaded, scheme, n, 10 + i) for i, n in enumerate([500, 230, 40])]
+    tokens = [1, 2, 3]
+    assert loaded.forward.native is not None
+    for i in range(STEPS):
+        members = [0, 1] if i < 5 else [0, 1, 2] if i < 20 else [0, 2]
+        group = [agents[b] for b in members]
+        forks = [a.fork() for a in group]
+        step = [tokens[b] for b in members]
+        assert loaded.forward.native.takes(mx.array([[t] for t in step]), per_step(forks))
+        got = logits(loaded.forward, forks, step, per_step(forks))
+        want = logits(loaded.model, group, step, per_step(group))
+        assert close(got, want, STEP_TOLERANCE), f"step {i}: {np.abs(got - want).max()}"
+        for b, row in zip(members, want):
+            agents[b].tokens.append(tokens[b])
+            tokens[b] = int(row.argmax())
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_working_set_and_per_step_caches_give_the_native_step_the_same_bits(models, kind):
+    loaded = models[kind]
+    agents = [prefilled(loaded, DEFAULT_SCHEME, n, 20 + i) for i, n in enumerate([500, 230, 40])]
+    forks = [a.fork() for a in agents]
+    working = WorkingSets()
+    tokens = [4, 5, 6]
+    for i in range(STEPS):
+        members = [0, 1, 2] if i < 12 else [0, 2]
+        step = [tokens[b] for b in members]
+        mine, ref = [forks[b] for b in members], [agents[b] for b in members]
+        got = logits(loaded.forward, mine, step, working.caches(members, [a.layers for a in mine]), working)
+        want = logits(loaded.forward, ref, step, per_step(ref))
+        assert np.array_equal(got, want), f"step {i}"
+        for b, row in zip(members, want):
+            agents[b].tokens.append(tokens[b])
+            forks[b].tokens.append(tokens[b])
+            tokens[b] = int(row.argmax())
+    assert working.nbytes > 0
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_restored_agent_continues_bit_identically(models, kind):
+    loaded = models[kind]
+    kept = prefilled(loaded, DEFAULT_SCHEME, 250, 30)
+    token = 7
+    for _ in range(4):  # decode across the 256-token block's closing before the restore
+        token = int(logits(loaded.forward, [kept], [token], kept.layers)[0].argmax())
+        kept.tokens.append(token)
+    restored = agent_cache_from_record(loaded.spec, agent_record(kept), None)
+    a, b = WorkingSets(), WorkingSets()
+    ta = tb = token
+    for _ in range(10):
+        ra = logits(loaded.forward, [kept], [ta], a.caches(["kept"], [kept.layers]), a)[0]
+        rb = logits(loaded.forward, [restored], [tb], b.caches(["restored"], [restored.layers]), b)[0]
+        assert np.array_equal(ra, rb)
+        ta, tb = int(ra.argmax()), int(rb.argmax())
+
+
+def test_it_steps_aside_for_calls_it_does_not_run(models):
+    loaded = models["llama"]
+    native = loaded.forward.native
+    assert native is not None
+    dense = prefilled(loaded, DEFAULT_SCHEME, 20, 40)
+    packed = prefilled(loaded, "q4-g64-per-token-v1", 20, 41)
+    one = mx.array([[1]])
+    assert native.takes(one, dense.layers)
+    assert not native.takes(one, packed.layers)  # plain Q4 hands packed rows to quantized_matmul
+    assert not native.takes(one, WorkingSets().caches(["p"], [packed.layers]))
+    assert not native.takes(mx.array([[1, 2]]), dense.layers)  # a prefill call
+    many = [prefilled(loaded, DEFAULT_SCHEME, 5, 50 + i) for i in range(MAX_LAYER_ROWS + 1)]
+    assert not native.takes(mx.array([[1]] * len(many)), batch_views([a.layers for a in many]))
+    # the forward still runs them, through the module path
+    got = logits(loaded.forward, [packed], [1], packed.layers)
+    assert got.shape == (1, loaded.model.model.embed_tokens.weight.shape[0])
+    assert getattr(models["deepseek_v2"].forward, "native", None) is None  # an architecture it does not know
+
+
+def test_the_embedded_model_runs_the_native_step(embedded_loaded):
+    loaded = embedded_loaded
+    assert loaded.forward.native is not None and loaded.forward.native.kind == "gemma3_text"
+    agents = [prefilled(loaded, DEFAULT_SCHEME, n, 60 + i) for i, n in enumerate([520, 90])]
+    forks = [a.fork() for a in agents]
+    got = logits(loaded.forward, forks, [10, 11], per_step(forks))
+    want = logits(loaded.model, agents, [10, 11], per_step(agents))
+    assert close(got, want, STEP_TOLERANCE)
