@@ -28,11 +28,12 @@ def _alone(x: mx.array, w: mx.array) -> np.ndarray:
 
 @pytest.mark.parametrize("shape", [(1024, 640), (640, 2048), (2048, 640), (192, 576)])
 def test_a_planned_product_gives_every_row_its_one_row_bits_and_no_plan_means_it_cannot(shape):
-    """Which shapes get a plan depends on the CPU (OpenBLAS picks its kernels by it: with AVX2
-    a product of up to 12 rows keeps one-row bits and larger ones do at some positions; on
-    an AVX-only EPYC some shapes keep them at every row count and others not even at 2), so
-    each verdict is checked against the definition: a plan's rows are each row alone, and
-    a shape without one has a plain product of at most 8 rows that is not."""
+    """Which shapes get a plan depends on the CPU: OpenBLAS picks its kernels by it. With its
+    Zen (AVX2) kernels a product of up to 12 rows keeps one-row bits and larger ones do at
+    some positions; with its Cooperlake (AVX-512) kernels on a Zen 4 EPYC some shapes keep
+    them at every row count and others not even at 2. So each verdict is checked against
+    the definition: a plan's rows are each row alone, and a shape without one has a plain
+    product of at most 8 rows that is not."""
     rng = np.random.default_rng(21)
     w = mx.array(rng.standard_normal(shape).astype(np.float32))
     plan = measure(w)
@@ -74,7 +75,7 @@ def test_a_models_planned_layers_give_a_row_the_same_bits_in_any_number_of_rows(
     assert isinstance(fast, ProjectedModel) and fast._all_rows
     layers = [m for _, m in fast.body.named_modules() if isinstance(m, GemvLinear)]
     planned = [layer for layer in layers if layer._plan is not None]
-    assert planned  # the MLP's shapes have plans with AVX2 and on the AVX-only EPYC alike
+    assert planned  # the MLP's shapes have plans with OpenBLAS's Zen and Cooperlake kernels alike
     rng = np.random.default_rng(22)
     for layer in layers:
         cols = layer.linear["weight"].shape[1]
