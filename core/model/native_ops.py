@@ -147,7 +147,7 @@ def _rows_of(a: np.ndarray) -> tuple[np.ndarray, int]:
 
 # Columns below which a head's keys are not split between jobs: a job's fixed cost (a few
 # microseconds) would outweigh what a second core reads.
-SPLIT_COLUMNS = 512
+SPLIT_COLUMNS = 256
 
 
 @cache
@@ -167,7 +167,7 @@ def _attention_kernel() -> Any:
         span = -(-width // splits)
         tops = np.empty((batch * kv, splits, group), dtype=np.float32)
         sums = np.empty((batch * kv, splits, group), dtype=np.float32)
-        parts = np.empty((batch * kv, splits, group, dv), dtype=np.float32)
+        parts = np.empty((batch * kv, splits if splits > 1 else 0, group, dv), dtype=np.float32)
         for job in prange(batch * kv * splits):
             head = job // splits
             part = job - head * splits
@@ -202,25 +202,32 @@ def _attention_kernel() -> Any:
                     p = scores[g, t]
                     for i in range(dv):
                         acc[g, i] += p * v[base + lo + t, i]
-            parts[head, part] = acc
-        for head in prange(batch * kv):
-            b = head // kv
-            h = head - b * kv
-            for g in range(group):
-                top = MASKED
-                for part in range(splits):
-                    top = max(top, tops[head, part, g])
-                denominator = np.float32(0.0)
-                for i in range(dv):
-                    out[b, h, g, i] = 0.0
-                for part in range(splits):
-                    weight = np.exp(tops[head, part, g] - top)
-                    denominator += weight * sums[head, part, g]
+            if splits == 1:  # nothing to merge: normalize into the output at once
+                for g in range(group):
+                    scale = np.float32(1.0) / sums[head, 0, g]
                     for i in range(dv):
-                        out[b, h, g, i] += weight * parts[head, part, g, i]
-                scale = np.float32(1.0) / denominator
-                for i in range(dv):
-                    out[b, h, g, i] *= scale
+                        out[b, h, g, i] = acc[g, i] * scale
+            else:
+                parts[head, part] = acc
+        if splits > 1:  # each head's ranges, rescaled to their common maximum
+            for head in prange(batch * kv):
+                b = head // kv
+                h = head - b * kv
+                for g in range(group):
+                    top = MASKED
+                    for part in range(splits):
+                        top = max(top, tops[head, part, g])
+                    denominator = np.float32(0.0)
+                    for i in range(dv):
+                        out[b, h, g, i] = 0.0
+                    for part in range(splits):
+                        weight = np.exp(tops[head, part, g] - top)
+                        denominator += weight * sums[head, part, g]
+                        for i in range(dv):
+                            out[b, h, g, i] += weight * parts[head, part, g, i]
+                    scale = np.float32(1.0) / denominator
+                    for i in range(dv):
+                        out[b, h, g, i] *= scale
 
     return grouped_decode
 
