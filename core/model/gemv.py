@@ -83,7 +83,8 @@ GREEDY_INVARIANT = _SWITCH not in ("0", "false", "no")
 
 # Whether the default kernels' decode steps run each KV head's query heads as one product
 # (``kvshelf.model.grouped_attention``) rather than MLX's CPU attention, one product per query
-# head. ``KVSHELF_MLX_SDPA=1`` keeps MLX's (what ``benchmarks/decode.py --paths mlx-sdpa`` compares).
+# head (those the native step takes, ``kvshelf.model.native_decode``, run neither).
+# ``KVSHELF_MLX_SDPA=1`` keeps MLX's (what ``benchmarks/decode.py --paths mlx-sdpa`` compares).
 GROUPED_DECODE = not env_on("KVSHELF_MLX_SDPA")
 
 

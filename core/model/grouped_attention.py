@@ -12,6 +12,8 @@ it (its bool-mask fill value, its precise softmax). Side by side
 that took a step's attention from 21.9 to 9.2 ms (Gemma 3, 18 layers, 1K context, batch 1)
 and from 96.7 to 62.1 ms (the 30-layer llama at 4K); whole steps are in the README.
 
+The default kernels' decode steps that ``kvshelf.model.native_decode`` takes (up to 8
+agents, a known architecture) run its numba attention instead; this serves the rest.
 Only decode steps (one query per member) and only dense keys: a prefill runs the
 module's own attention (its products have L rows already), and so do packed keys
 (plain Q4's ``quantized_matmul``) and Metal, whose ``scaled_dot_product_attention`` is a
