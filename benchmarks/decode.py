@@ -50,6 +50,7 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -70,6 +71,8 @@ from kvshelf.kv.schemes import DEFAULT_SCHEME, SCHEMES
 from kvshelf.model import few_rows, skinny
 from kvshelf.model.gemv import with_fast_linears
 from kvshelf.model.head import ProjectedModel, with_fast_head
+from kvshelf.model.huge_pages import THREAD_NAME as HUGE_PAGES_THREAD
+from kvshelf.model.huge_pages import collapse, weights_of
 from kvshelf.model.loader import load, materialize
 from kvshelf.model.spec import ModelCacheSpec
 
@@ -90,15 +93,29 @@ LLAMA30 = dict(
 )
 
 
-def build_model(name: str) -> nn.Module:
+def build_model(name: str, huge_pages: bool = True) -> nn.Module:
+    """The model, its weights in huge pages as the engine's load leaves them
+    (``kvshelf.model.huge_pages``), or with ``huge_pages=False`` in the allocator's pages."""
     if name == "embedded":
-        return load("embedded", progress=False).model
+        if huge_pages:
+            model = load("embedded", progress=False).model
+            for thread in threading.enumerate():  # the load's background collapse: done before timing
+                if thread.name == HUGE_PAGES_THREAD:
+                    thread.join()
+            return model
+        os.environ["KVSHELF_NO_HUGE_PAGES"] = "1"
+        try:
+            return load("embedded", progress=False).model
+        finally:
+            del os.environ["KVSHELF_NO_HUGE_PAGES"]
     if name == "llama30":
         model_cls, args_cls = _get_classes(LLAMA30)
         model = model_cls(args_cls.from_dict(LLAMA30))
         mx.random.seed(0)
         model.update(tree_map(lambda p: (mx.random.normal(p.shape) * 0.02).astype(mx.float32), model.parameters()))
         materialize(model)
+        if huge_pages:
+            collapse(weights_of(model))
         return model
     raise ValueError(f"unknown model {name!r}; known: embedded, llama30")
 

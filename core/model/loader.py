@@ -25,6 +25,7 @@ from tokenizers import Tokenizer
 from kvshelf.model import gemv
 from kvshelf.model.gemv import with_fast_linears
 from kvshelf.model.head import ProjectedModel
+from kvshelf.model.huge_pages import collapse_in_background
 from kvshelf.model.spec import ModelCacheSpec
 from kvshelf.model.template import ChatMLTemplate, ChatTemplate, GemmaTemplate, JinjaTemplate, infer_tool_parser
 
@@ -128,6 +129,7 @@ def load_from_directory(path: Path, fingerprint: str | None = None) -> LoadedMod
     model, config = mlx_load_model(path)
     model.set_dtype(_compute_dtype())
     materialize(model)
+    collapse_in_background(model)  # the weights into 2 MB pages while the rest loads (huge_pages)
     tok = Tokenizer.from_file(str(path / "tokenizer.json"))
     tok_config_path = path / "tokenizer_config.json"
     tok_config = json.loads(tok_config_path.read_text()) if tok_config_path.exists() else {}

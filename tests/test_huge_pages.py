@@ -1,0 +1,85 @@
+"""``kvshelf.model.huge_pages``: the weights' memory moves into 2 MB pages, and nothing else
+changes (the same values, in the same buffers); where the system cannot, nothing happens."""
+
+from __future__ import annotations
+
+import platform
+import sys
+import threading
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+from kvshelf.model.head import buffer_view
+from kvshelf.model.huge_pages import HUGE_PAGE, THREAD_NAME, collapse, collapse_in_background, weights_of
+
+
+def _system_collapses() -> bool:
+    """Linux 6.1 or later with transparent huge pages not turned off: MADV_COLLAPSE exists."""
+    if not sys.platform.startswith("linux"):
+        return False
+    enabled = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    if not enabled.exists() or "[never]" in enabled.read_text():
+        return False
+    major, minor = (int(p) for p in platform.release().split(".")[:2])
+    return (major, minor) >= (6, 1)
+
+
+def _huge_kb_at(address: int) -> int:
+    """AnonHugePages of the mapping that holds ``address`` (/proc/self/smaps)."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and ":" not in head:
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = lo <= address < hi
+        elif inside and line.startswith("AnonHugePages:"):
+            return int(line.split()[1])
+    return 0
+
+
+def test_an_arrays_memory_moves_into_huge_pages_and_keeps_its_values():
+    a = mx.random.normal((4 * HUGE_PAGE // 4 + 17,), key=mx.random.key(3))  # 8 MB and a bit, fp32
+    mx.eval(a)
+    before = np.array(a)
+    address = buffer_view(a).ctypes.data
+    moved = collapse([a])
+    assert np.array_equal(np.array(a), before)
+    assert buffer_view(a).ctypes.data == address  # the same buffer
+    if _system_collapses():
+        assert moved >= 2 * HUGE_PAGE  # at least the aligned stretches inside 8 MB
+        assert _huge_kb_at(address + HUGE_PAGE) >= 2 * HUGE_PAGE // 1024
+    else:
+        assert moved == 0
+    assert collapse([mx.zeros((16,))]) == 0  # smaller than a huge page: nothing to move
+
+
+def test_loading_a_model_collapses_its_weights_in_the_background(embedded_loaded):
+    for thread in threading.enumerate():
+        if thread.name == THREAD_NAME:
+            thread.join(timeout=60)
+    weights = weights_of(embedded_loaded.model)
+    assert weights and weights[0].shape == (262144, 640)  # the (tied) head, the largest
+    if _system_collapses():
+        head = buffer_view(weights[0]).ctypes.data
+        assert _huge_kb_at(head + 2 * HUGE_PAGE) > 0
+
+
+def test_the_switch_turns_it_off(monkeypatch):
+    from mlx_lm.models import llama
+
+    args = llama.ModelArgs(
+        model_type="llama", hidden_size=1024, num_hidden_layers=1, intermediate_size=1024,
+        num_attention_heads=4, num_key_value_heads=4, rms_norm_eps=1e-5, vocab_size=1024,
+    )  # fmt: skip
+    model = llama.Model(args)
+    mx.eval(model.parameters())
+    monkeypatch.setenv("KVSHELF_NO_HUGE_PAGES", "1")
+    assert collapse_in_background(model) is None
+    monkeypatch.delenv("KVSHELF_NO_HUGE_PAGES")
+    thread = collapse_in_background(model)
+    assert (thread is not None) == sys.platform.startswith("linux")  # madvise is Linux's
+    if thread is not None:
+        thread.join(timeout=60)
+        assert not thread.is_alive()
