@@ -20,7 +20,6 @@ import argparse
 import os
 import statistics
 import time
-from pathlib import Path
 from typing import Any
 
 import kvshelf  # noqa: F401  (preloads OpenBLAS, which must come before mlx)
@@ -35,23 +34,8 @@ from kvshelf.kv.agent_cache import AgentCache
 from kvshelf.kv.schemes import DEFAULT_SCHEME, SCHEMES
 from kvshelf.kv.working_set import WorkingSets
 from kvshelf.model.gemv import with_fast_linears
-from kvshelf.model.head import buffer_view
-from kvshelf.model.huge_pages import collapse, weights_of
+from kvshelf.model.huge_pages import collapse, huge_page_bytes, weights_of
 from kvshelf.model.spec import ModelCacheSpec
-
-
-def huge_bytes(arrays: list[mx.array]) -> int:
-    """Bytes of the mappings holding ``arrays`` that are in huge pages."""
-    starts = {buffer_view(a).ctypes.data for a in arrays}
-    total, inside = 0, False
-    for line in Path("/proc/self/smaps").read_text().splitlines():
-        head = line.split()[0]
-        if "-" in head and ":" not in head:
-            lo, hi = (int(x, 16) for x in head.split("-"))
-            inside = any(lo <= s < hi for s in starts)
-        elif inside and line.startswith("AnonHugePages:"):
-            total += int(line.split()[1]) * 1024
-    return total
 
 
 def run(models: list[str], batches: list[int], context: int, steps: int) -> dict[str, Any]:
@@ -64,7 +48,7 @@ def run(models: list[str], batches: list[int], context: int, steps: int) -> dict
         took = time.perf_counter() - started
         spec = ModelCacheSpec.from_model(small)
         forwards = {"4 KB pages": with_fast_linears(small), "2 MB pages": with_fast_linears(huge)}
-        held = {k: huge_bytes(weights_of(m)) for k, m in (("4 KB pages", small), ("2 MB pages", huge))}
+        held = {k: huge_page_bytes(weights_of(m)) for k, m in (("4 KB pages", small), ("2 MB pages", huge))}
         print(f"{name}: collapsed {moved / 1e6:.0f} MB in {took:.2f} s; in huge pages: {held}")
         for batch in batches:
             agents: dict[str, list[Any]] = {}

@@ -12,7 +12,14 @@ import mlx.core as mx
 import numpy as np
 
 from kvshelf.model.head import buffer_view
-from kvshelf.model.huge_pages import HUGE_PAGE, THREAD_NAME, collapse, collapse_in_background, weights_of
+from kvshelf.model.huge_pages import (
+    HUGE_PAGE,
+    THREAD_NAME,
+    collapse,
+    collapse_in_background,
+    huge_page_bytes,
+    weights_of,
+)
 
 
 def _system_collapses() -> bool:
@@ -26,19 +33,6 @@ def _system_collapses() -> bool:
     return (major, minor) >= (6, 1)
 
 
-def _huge_kb_at(address: int) -> int:
-    """AnonHugePages of the mapping that holds ``address`` (/proc/self/smaps)."""
-    inside = False
-    for line in Path("/proc/self/smaps").read_text().splitlines():
-        head = line.split()[0]
-        if "-" in head and ":" not in head:
-            lo, hi = (int(x, 16) for x in head.split("-"))
-            inside = lo <= address < hi
-        elif inside and line.startswith("AnonHugePages:"):
-            return int(line.split()[1])
-    return 0
-
-
 def test_an_arrays_memory_moves_into_huge_pages_and_keeps_its_values():
     a = mx.random.normal((4 * HUGE_PAGE // 4 + 17,), key=mx.random.key(3))  # 8 MB and a bit, fp32
     mx.eval(a)
@@ -49,7 +43,7 @@ def test_an_arrays_memory_moves_into_huge_pages_and_keeps_its_values():
     assert buffer_view(a).ctypes.data == address  # the same buffer
     if _system_collapses():
         assert moved >= 2 * HUGE_PAGE  # at least the aligned stretches inside 8 MB
-        assert _huge_kb_at(address + HUGE_PAGE) >= 2 * HUGE_PAGE // 1024
+        assert huge_page_bytes([a]) >= 2 * HUGE_PAGE
     else:
         assert moved == 0
     assert collapse([mx.zeros((16,))]) == 0  # smaller than a huge page: nothing to move
@@ -62,8 +56,7 @@ def test_loading_a_model_collapses_its_weights_in_the_background(embedded_loaded
     weights = weights_of(embedded_loaded.model)
     assert weights and weights[0].shape == (262144, 640)  # the (tied) head, the largest
     if _system_collapses():
-        head = buffer_view(weights[0]).ctypes.data
-        assert _huge_kb_at(head + 2 * HUGE_PAGE) > 0
+        assert huge_page_bytes(weights[:1]) > 0
 
 
 def test_the_switch_turns_it_off(monkeypatch):

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, cast
 
 import mlx.core as mx
+import numpy as np
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer
@@ -18,3 +19,8 @@ if TYPE_CHECKING:
 def borrow(array: mx.array) -> memoryview:
     """The array's own memory (evaluated first if still lazy), borrowed, not copied."""
     return memoryview(cast("Buffer", array))
+
+
+def buffer_view(array: mx.array) -> np.ndarray:
+    """A numpy array over ``array``'s own memory (evaluated first if still lazy), no copy."""
+    return np.asarray(borrow(array))

@@ -64,18 +64,12 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from kvshelf.model.arrays import borrow
+from kvshelf.model.arrays import buffer_view
 from kvshelf.model.dot_bound import dot_error_bound
 from kvshelf.model.few_rows import MAX_FEW_ROWS, Gemm
 from kvshelf.model.native_decode import NativeDecoder
 from kvshelf.model.sgemv import Sgemv, each_row, system_sgemv
 from kvshelf.model.skinny import blocked_product, skinny_product
-
-
-def buffer_view(a: mx.array) -> np.ndarray:
-    """A numpy array over ``a``'s own memory: MLX exports the buffer protocol, so no copy
-    (``a`` is evaluated first if it is still lazy)."""
-    return np.asarray(borrow(a))
 
 
 def _projection(model: nn.Module) -> tuple[Callable[[mx.array], mx.array], nn.Module] | None:

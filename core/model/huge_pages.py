@@ -26,13 +26,13 @@ import sys
 import threading
 from collections.abc import Callable
 from functools import cache
+from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
-import numpy as np
 from mlx.utils import tree_flatten
 
-from kvshelf.model.arrays import borrow
+from kvshelf.model.arrays import buffer_view
 from kvshelf.switches import env_on
 
 HUGE_PAGE = 1 << 21
@@ -56,7 +56,7 @@ def _madvise() -> Callable[[int, int, int], int] | None:
 
 def _stretch(array: mx.array) -> tuple[int, int] | None:
     """The 2 MB-aligned part of ``array``'s buffer: (start address, length), if any."""
-    view = np.asarray(borrow(array))
+    view = buffer_view(array)
     start, end = view.ctypes.data, view.ctypes.data + view.nbytes
     lo, hi = -(-start // HUGE_PAGE) * HUGE_PAGE, end // HUGE_PAGE * HUGE_PAGE
     return (lo, hi - lo) if hi > lo else None
@@ -74,6 +74,24 @@ def _collapse_stretches(stretches: list[tuple[int, int]], keep: object = None) -
     if madvise is None:
         return 0
     return sum(length for start, length in stretches if madvise(start, length, MADV_COLLAPSE) == 0)
+
+
+def huge_page_bytes(arrays: list[mx.array]) -> int:
+    """Bytes in huge pages of the mappings that hold these arrays (/proc/self/smaps; 0 off
+    Linux). Linux merges adjacent anonymous mappings, so a mapping may hold other arrays too."""
+    smaps = Path("/proc/self/smaps")
+    if not smaps.exists():
+        return 0
+    starts = [buffer_view(a).ctypes.data for a in arrays]
+    total, inside = 0, False
+    for line in smaps.read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and ":" not in head:  # a mapping's address range opens its entry
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = any(lo <= s < hi for s in starts)
+        elif inside and line.startswith("AnonHugePages:"):
+            total += int(line.split()[1]) * 1024
+    return total
 
 
 def weights_of(model: nn.Module) -> list[mx.array]:

@@ -38,7 +38,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx_lm.models.base import create_attention_mask
 
-from kvshelf.model.arrays import borrow
+from kvshelf.model.arrays import buffer_view
 from kvshelf.model.few_rows import Gemm
 from kvshelf.model.native_ops import F32, Rope, attend, gelu_approx, mask_bias, rms_norm, silu
 from kvshelf.model.skinny import MAX_LAYER_ROWS
@@ -52,15 +52,11 @@ OFF = env_on("KVSHELF_NO_NATIVE_DECODE")
 PROBE_TOLERANCE = 1e-4
 
 
-def _view(a: mx.array) -> np.ndarray:
-    return np.asarray(borrow(a))
-
-
 def _plain_weight(layer: Any) -> np.ndarray | None:
     """A bias-free fp32 ``nn.Linear``'s weight as a numpy view, else None."""
     if type(layer) is not nn.Linear or "bias" in layer or layer["weight"].dtype != mx.float32:
         return None
-    w = _view(layer["weight"])
+    w = buffer_view(layer["weight"])
     return w if w.flags.c_contiguous else None
 
 
@@ -84,7 +80,7 @@ class NativeLayer:
 
 
 def _norm_weight(norm: Any, offset: float) -> np.ndarray:
-    return (_view(norm["weight"]).astype(F32) + F32(offset)).astype(F32)
+    return buffer_view(norm["weight"]).astype(F32) + F32(offset)
 
 
 def _layer(block: Any, norms: dict[str, Any], offset: float, sliding: bool) -> NativeLayer | None:
@@ -111,17 +107,16 @@ class NativeDecoder:
     hidden states as an MLX array. ``takes`` says whether a call is one it runs."""
 
     kind = "base"
+    norm_offset = 0.0  # what the norms add to their stored weights (Gemma's 1 + w)
 
     def __init__(self, body: Any, layers: list[NativeLayer], product: Gemm, eps: float, embed_scale: float | None):
         self.layers = layers
         self._product = product
         self._eps = eps
         self._embed_scale = embed_scale
-        self._embed = _view(body.embed_tokens["weight"])
+        self._embed = buffer_view(body.embed_tokens["weight"])
         self._final = _norm_weight(body.norm, self.norm_offset)
         self.window: int | None = None
-
-    norm_offset = 0.0
 
     def takes(self, inputs: mx.array, cache: Any) -> bool:
         """A decode step (one token per agent, at most ``MAX_LAYER_ROWS`` agents) over caches
@@ -170,7 +165,7 @@ class NativeDecoder:
         if isinstance(keys, tuple) or isinstance(values, tuple):
             raise TypeError("the native decode step takes dense K/V; this cache handed over packed rows")
         mx.eval(keys, values)
-        out = attend(q, _view(keys), _view(values), mask, layer.scale)
+        out = attend(q, buffer_view(keys), buffer_view(values), mask, layer.scale)
         return self._product(out, layer.o)
 
 
