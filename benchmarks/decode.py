@@ -22,7 +22,9 @@ and side by side, for each model and context length:
   and (``--paths no-blocks``) the scheduler's path with those products row-invariant
   (``skinny_product``) instead of in register blocks (``blocked_product``), and
   (``--paths no-native``) the scheduler's path with its layers through MLX's graph (the
-  module path) instead of ``kvshelf.model.native_decode``'s numpy step;
+  module path) instead of ``kvshelf.model.native_decode``'s numpy step, and
+  (``--paths no-defer``) the native step with the working set updated inside each layer
+  (an MLX evaluation per layer) instead of once after the last (``defer_updates``);
 - mlx-lm's own step on the same model with its fp32 ``KVCache``/``RotatingKVCache``
   (batch 1: what ``mlx_lm.generate`` runs);
 - the floor: the model's weight bytes (and weights + K/V bytes) divided by the memory
@@ -136,6 +138,7 @@ PATHS = (
     "no-skinny",
     "no-blocks",
     "no-native",
+    "no-defer",
 )
 
 
@@ -182,6 +185,9 @@ def run(
         one_row = with_fast_linears(model, one_row=True, native=False)
         mlx_sdpa = with_fast_linears(model, grouped=False, native=False)
         no_native = with_fast_linears(model, native=False) if "no-native" in paths else None
+        no_defer = with_fast_linears(model) if "no-defer" in paths else None
+        if isinstance(no_defer, ProjectedModel) and no_defer.native is not None:
+            no_defer.native.defer_updates = False  # the working set updated inside each layer
         no_skinny = with_fast_linears(model, skinny=False)  # the projections as before kvshelf.model.skinny
         no_blocks = without_row_blocks(model) if "no-blocks" in paths else None
         # what a temperature-0 request runs (LoadedModel.greedy_forward): the shape-invariant kernels
@@ -225,6 +231,8 @@ def run(
                         kinds.append((True, f"{scheme} no row blocks", no_blocks))
                     if no_native is not None:
                         kinds.append((True, f"{scheme} no native step", no_native))
+                    if no_defer is not None:
+                        kinds.append((True, f"{scheme} no deferred update", no_defer))
                     if greedy is not None:
                         kinds.append((True, f"{scheme} greedy (shape-invariant)", greedy))
                     if greedy_no_skinny is not None:

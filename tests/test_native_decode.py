@@ -187,6 +187,35 @@ def test_the_working_set_and_per_step_caches_give_the_native_step_the_same_bits(
 
 
 @pytest.mark.parametrize("kind", KINDS)
+def test_deferring_the_working_set_update_changes_no_bit(models, kind):
+    """The working set updated once after the last layer (attention reading the step's own
+    rows from numpy) against inside each layer, through a key block's closing."""
+    loaded = models[kind]
+    native = loaded.forward.native
+    agents = [prefilled(loaded, DEFAULT_SCHEME, n, 70 + i) for i, n in enumerate([250, 40])]
+    forks = [a.fork() for a in agents]
+    later, now = WorkingSets(), WorkingSets()
+    tokens = [3, 4]
+    try:
+        for i in range(10):  # the first agent's block closes at its 6th step
+            native.defer_updates = True
+            caches = later.caches([0, 1], [a.layers for a in forks])
+            got = logits(loaded.forward, forks, tokens, caches, later)
+            native.defer_updates = False
+            want = logits(loaded.forward, agents, tokens, now.caches([0, 1], [a.layers for a in agents]), now)
+            assert np.array_equal(got, want), f"step {i}"
+            for a, f, t in zip(agents, forks, tokens):
+                a.tokens.append(t)
+                f.tokens.append(t)
+            tokens = [int(row.argmax()) for row in want]
+    finally:
+        del native.defer_updates  # back to the class's setting
+    kv, d = loaded.spec.layers[0].kv_heads, loaded.spec.layers[0].k_head_dim
+    row = np.zeros((2, kv, d), dtype=np.float32)
+    assert caches[0].read_back(row, row) is not None  # the deferred path was the one taken
+
+
+@pytest.mark.parametrize("kind", KINDS)
 def test_a_restored_agent_continues_bit_identically(models, kind):
     loaded = models[kind]
     kept = prefilled(loaded, DEFAULT_SCHEME, 250, 30)

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
+import numpy as np
 from mlx_lm.models.cache import _BaseCache
 
 from kvshelf.model.spec import BLOCK_TOKENS, LayerSpec
@@ -293,6 +294,12 @@ class QuantizedLayerCache(PackedFetch, _BaseCache):
         if self.QUANTIZED_DECODE and not dense:
             return k, v
         return self._dequantize(k, dtype), self._dequantize(v, dtype)
+
+    def read_back(self, keys: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+        """New rows (fp32 numpy) as ``coded_rows`` would give them densely, bit for bit, or
+        None: plain per-token Q4 hands packed rows to ``quantized_matmul`` instead (a
+        scheme's cache overrides this; ``kvshelf.kv.schemes``)."""
+        return None
 
     def own_rows_at(self, position: int) -> bool:
         """Whether a row appended at ``position`` reads back other than ``coded_rows`` says

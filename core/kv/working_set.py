@@ -30,6 +30,12 @@ un-rotated for the schemes' dense path, packed triples for plain Q4's
 One agent on plain Q4 without a shared base needs no copy: its cache's own fetch is a
 slice of one packed buffer, so its layers pass straight through.
 
+A step that codes its own tokens (``kvshelf.model.native_decode``) can split the update in
+two: ``previous_columns`` hands attention the stored columns, ``read_back`` gives the new
+rows as they will be stored (numpy, the same bits), and ``advance`` appends them after the
+last layer, re-reading at once a key block that they closed, so the buffer holds the same
+values at every step as through ``update_and_fetch``.
+
 The cost is RAM while decoding: on the embedded Gemma 3 (fp32 compute, default scheme)
 about 55 MB per agent at 4K context and 130 MB at 16K (the Q4 blocks: 9 and 20 MB);
 ``WorkingSets.nbytes`` says how much is held now.
@@ -45,6 +51,7 @@ from collections.abc import Collection, Hashable, Sequence
 from typing import Any
 
 import mlx.core as mx
+import numpy as np
 
 from kvshelf.kv.batch import BatchLayerView
 from kvshelf.kv.blocks import Codes, QuantizedLayerCache, each
@@ -180,6 +187,41 @@ class DecodeLayer(BatchLayerView):
         width = max(m.offset - m.start for m in self.members)
         cut = lambda buf: _fetched(tuple(x[..., self.end - width : self.end, :] for x in buf))  # noqa: E731
         return cut(kbuf), cut(vbuf)
+
+    # -- a step that codes its own token (kvshelf.model.native_decode) -------------------
+    def read_back(self, keys: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+        """What this step's new rows (numpy, one per member) will read back as once
+        appended, bit for bit as the cache codes them, or None where that is not known
+        here (a scheme without a numpy coding, a sink's position, packed rows)."""
+        if not self._dense or any(m.own_rows_at(m.offset) for m in self.members):
+            return None
+        return self.members[0].read_back(keys, values)
+
+    def previous_columns(self, dtype: mx.Dtype) -> tuple[Rows, Rows, int, int]:
+        """Before this step's tokens are appended: the buffers and the columns ``lo..end``
+        that the step's queries read besides their own tokens (what ``update_and_fetch``
+        would return, less its last column), building the buffers first if need be."""
+        if self.keys is None or self.values is None:
+            self._build(dtype)
+        assert self.keys is not None and self.values is not None
+        width = max(m.offset + 1 - m.start_after(1) for m in self.members)
+        return self.keys, self.values, self.end - (width - 1), self.end
+
+    def advance(self, keys: mx.array, values: mx.array) -> None:
+        """Append a step's tokens after its attention has read them (``previous_columns``
+        and their ``read_back`` rows): ``update_and_fetch``'s appends and writes, and at
+        once the re-read of a key block that these tokens closed, which their own queries
+        read open (fp16) and the next ones read quantized."""
+        self.update_and_fetch(keys, values)
+        assert self.keys is not None and self.values is not None
+        for b, m in enumerate(self.members):
+            if not (m.open_key_block and m.stable_until > self.closed[b]):
+                continue
+            lo = max(self.closed[b], m.start)
+            self.closed[b] = m.stable_until
+            k, v = (_rows(x) for x in m.attention_rows(lo, m.offset, keys.dtype, self._dense))
+            self._write(self.keys, slice(b, b + 1), self.end - k[0].shape[2], list(k))
+            self._write(self.values, slice(b, b + 1), self.end - v[0].shape[2], list(v))
 
     # -- the buffer ----------------------------------------------------------------------
     @staticmethod

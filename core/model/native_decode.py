@@ -8,8 +8,12 @@ evaluate the step up to it. On the embedded Gemma 3 at 1K context and batch 1 th
 default kernels' body took 92 ms of a 120 ms step whose layers' weights take 19.6 ms to
 read (``benchmarks/decode_profile.py``, ``results/decode-profile-20261203-164817.json``).
 Here every layer runs on numpy rows (``kvshelf.model.native_ops``) and the blocked skinny
-product; MLX runs only the cache's own update and fetch (coding the new row, the decode
-working set), one evaluation per layer. The head is the caller's
+product. Over a decode working set (``kvshelf.kv.working_set.DecodeLayer``) attention reads
+the buffer's stored columns and the step's own rows as the cache will code them (numpy,
+MLX's bits: ``kvshelf.kv.row_coding``), and the working set's MLX update of every layer
+waits until the last layer is done, then starts while the caller projects the head: no
+MLX evaluation inside the step (``defer_updates``; the llama's 30 layers each paid one).
+Other caches keep one update and evaluation per layer. The head is the caller's
 (``kvshelf.model.head.ProjectedModel``).
 
 Which models: mlx-lm's Gemma 3 text model and its llama family (Llama, SmolLM2, ...), fp32
@@ -108,6 +112,9 @@ class NativeDecoder:
 
     kind = "base"
     norm_offset = 0.0  # what the norms add to their stored weights (Gemma's 1 + w)
+    # Whether a decode working set's update waits until every layer is done (``_attention``);
+    # False updates it inside each layer as before (``benchmarks/decode.py --paths no-defer``).
+    defer_updates = not env_on("KVSHELF_NO_DEFERRED_UPDATE")
 
     def __init__(self, body: Any, layers: list[NativeLayer], product: Gemm, eps: float, embed_scale: float | None):
         self.layers = layers
@@ -143,10 +150,22 @@ class NativeDecoder:
         if self._embed_scale is not None:
             h *= F32(self._embed_scale)
         full, sliding = (mask_bias(m) for m in self._masks(inputs, cache))
+        self._deferred: list[tuple[Any, np.ndarray, np.ndarray]] = []
         for layer, c in zip(self.layers, cache):
             h = self._block(layer, h, sliding if layer.sliding else full, c)
         h = rms_norm(h, self._final, self._eps)
+        self._append_deferred()
         return mx.array(h[:, None, :])
+
+    def _append_deferred(self) -> None:
+        """The caches' own updates of the layers whose attention read the step's new rows
+        from numpy (``_attention``), handed to MLX together once every layer is done, and
+        started there (``mx.async_eval``) while the caller projects the head."""
+        deferred, self._deferred = self._deferred, []
+        for c, k, v in deferred:
+            c.advance(mx.array(k[:, :, None, :]), mx.array(v[:, :, None, :]))
+        if deferred:
+            mx.async_eval([x for c, _, _ in deferred for x in c.arrays()])
 
     def _attention(self, layer: NativeLayer, x: np.ndarray, mask: np.ndarray | None, cache: Any) -> np.ndarray:
         """Projections, RoPE at each agent's own position, the cache's update and fetch (MLX),
@@ -161,6 +180,17 @@ class NativeDecoder:
         positions = np.broadcast_to(np.asarray(cache.offset).reshape(-1), (b,))
         cos, sin = layer.rope.tables(positions)
         q, k = layer.rope(q, cos, sin), layer.rope(k, cos, sin)
+        # A decode working set can take the step's rows after every layer is done: attention
+        # reads its stored columns and the new rows as the cache will code them (numpy, MLX's
+        # bits), so MLX is not evaluated in the middle of the step.
+        coded = cache.read_back(k, v) if self.defer_updates and hasattr(cache, "advance") else None
+        if coded is not None:
+            key_buf, value_buf, lo, end = cache.previous_columns(mx.float32)
+            keys_np = buffer_view(key_buf[0])[:, :, lo:end]
+            values_np = buffer_view(value_buf[0])[:, :, lo:end]
+            out = attend(q, keys_np, values_np, mask, layer.scale, new_keys=coded[0], new_values=coded[1])
+            self._deferred.append((cache, k, v))
+            return self._product(out, layer.o)
         keys, values = cache.update_and_fetch(mx.array(k[:, :, None, :]), mx.array(v[:, :, None, :]))
         if isinstance(keys, tuple) or isinstance(values, tuple):
             raise TypeError("the native decode step takes dense K/V; this cache handed over packed rows")

@@ -161,9 +161,10 @@ def _attention_kernel() -> Any:
     from numba import njit, prange
 
     @njit(parallel=True, fastmath=True, cache=True, boundscheck=False)
-    def grouped_decode(q, k, v, pitch, bias, splits, out):
+    def grouped_decode(q, k, v, pitch, bias, splits, new_k, new_v, extra, out):
         batch, kv, group, d = q.shape
         width, dv = bias.shape[1], v.shape[1]
+        stored = width - extra  # columns in k and v; the last ``extra`` (0 or 1) are new_k/new_v
         span = -(-width // splits)
         tops = np.empty((batch * kv, splits, group), dtype=np.float32)
         sums = np.empty((batch * kv, splits, group), dtype=np.float32)
@@ -179,11 +180,18 @@ def _attention_kernel() -> Any:
             hi = min(width, lo + span)
             n = max(hi - lo, 0)
             scores = np.empty((group, max(n, 1)), dtype=np.float32)
-            for t in range(n):
+            m = max(min(hi, stored) - lo, 0)  # of them, stored columns; the rest is the new row
+            for t in range(m):
                 for g in range(group):
                     total = np.float32(0.0)
                     for i in range(d):
                         total += q[b, h, g, i] * k[base + lo + t, i]
+                    scores[g, t] = total + bias[br, lo + t]
+            for t in range(m, n):
+                for g in range(group):
+                    total = np.float32(0.0)
+                    for i in range(d):
+                        total += q[b, h, g, i] * new_k[b, h, i]
                     scores[g, t] = total + bias[br, lo + t]
             for g in range(group):
                 top = MASKED
@@ -197,11 +205,16 @@ def _attention_kernel() -> Any:
                 tops[head, part, g] = top
                 sums[head, part, g] = denominator
             acc = np.zeros((group, dv), dtype=np.float32)
-            for t in range(n):
+            for t in range(m):
                 for g in range(group):
                     p = scores[g, t]
                     for i in range(dv):
                         acc[g, i] += p * v[base + lo + t, i]
+            for t in range(m, n):
+                for g in range(group):
+                    p = scores[g, t]
+                    for i in range(dv):
+                        acc[g, i] += p * new_v[b, h, i]
             if splits == 1:  # nothing to merge: normalize into the output at once
                 for g in range(group):
                     scale = np.float32(1.0) / sums[head, 0, g]
@@ -245,14 +258,21 @@ def attend(
     bias: np.ndarray | None,
     scale: float,
     splits: int | None = None,
+    new_keys: np.ndarray | None = None,
+    new_values: np.ndarray | None = None,
 ) -> np.ndarray:
     """One query row per agent against its cached keys: (batch, heads, head_dim) queries,
     (batch, kv_heads, width, head_dim) keys and values (a working set's strides read in
     place), ``bias`` from ``mask_bias`` (None: every column); each KV head read once for
     the query heads that share it; each head's columns in ``splits`` ranges (None:
-    ``column_splits``). Returns (batch, heads * value_dim)."""
+    ``column_splits``). ``new_keys``/``new_values`` (batch, kv_heads, head_dim): one more
+    column after the cached ones (the step's own token, not yet in the buffer), read
+    in the same order as if it were, so the bits do not change. Returns
+    (batch, heads * value_dim)."""
     b, heads, d = q.shape
-    kv, width = keys.shape[1], keys.shape[2]
+    kv = keys.shape[1]
+    extra = 0 if new_keys is None else 1
+    width = keys.shape[2] + extra
     if bias is None:
         bias = np.zeros((1, width), dtype=F32)
     if bias.shape[1] != width or bias.shape[0] not in (1, b):
@@ -260,10 +280,16 @@ def attend(
     k, pitch = _rows_of(keys)
     v, v_pitch = _rows_of(values)
     if v_pitch != pitch:
-        v = np.ascontiguousarray(values).reshape(b * kv * width, values.shape[3])
-        k, pitch = np.ascontiguousarray(keys).reshape(b * kv * width, d), width
+        v = np.ascontiguousarray(values).reshape(-1, values.shape[3])
+        k, pitch = np.ascontiguousarray(keys).reshape(-1, d), keys.shape[2]
+    if new_keys is None or new_values is None:
+        new_keys, new_values = _NO_ROW, _NO_ROW
     grouped = np.ascontiguousarray((q * F32(scale)).reshape(b, kv, heads // kv, d))
     out = np.empty((b, kv, heads // kv, values.shape[3]), dtype=F32)
     splits = column_splits(b * kv, width) if splits is None else splits
-    _attention_kernel()(grouped, k, v, pitch, np.ascontiguousarray(bias, dtype=F32), splits, out)
+    kernel = _attention_kernel()
+    kernel(grouped, k, v, pitch, np.ascontiguousarray(bias, dtype=F32), splits, new_keys, new_values, extra, out)
     return out.reshape(b, heads * values.shape[3])
+
+
+_NO_ROW = np.zeros((1, 1, 1), dtype=F32)  # new_keys/new_values when there is no new column

@@ -1,0 +1,115 @@
+"""A decode step's new rows, coded on numpy rows with MLX's own bits.
+
+Why: the native decode step (``kvshelf.model.native_decode``) runs each layer on numpy
+rows, but attention must read the step's own token as the cache will hold it (its key
+rounded to fp16 in the open block, its value quantized and read back). Asking MLX for
+that made every layer evaluate MLX's graph in the middle of the step. Here the same
+arithmetic runs in one compiled call, so the cache's own update (MLX) can wait until
+every layer is done.
+
+Bit for bit MLX's: ``mx.hadamard_transform``'s CPU butterfly (pairs 1, 2, 4, ... apart,
+then one scale), ``mx.quantize``'s affine rule (the range's larger-magnitude end exact,
+round half to even, clipped), scales and biases rounded to fp16 as the cache stores them,
+and ``mx.dequantize``'s ``scale * code + bias`` in fp32. Compiled without fast-math, so
+the compiler keeps that order. ``tests/test_row_coding.py`` checks the bits against MLX.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import cache
+from typing import Any
+
+import numpy as np
+
+F32 = np.float32
+
+
+@cache
+def _kernels() -> Any:
+    from numba import njit
+
+    @njit(cache=True)
+    def hadamard_rows(x, scale):
+        """Each row's orthonormal Hadamard transform, in place (length a power of two)."""
+        rows, n = x.shape
+        for r in range(rows):
+            h = 1
+            while h < n:
+                for i in range(0, n, 2 * h):
+                    for j in range(i, i + h):
+                        a = x[r, j]
+                        b = x[r, j + h]
+                        x[r, j] = a + b
+                        x[r, j + h] = a - b
+                h *= 2
+            for j in range(n):
+                x[r, j] = x[r, j] * scale
+
+    @njit(cache=True)
+    def fp16(x):
+        """``x`` rounded to the nearest fp16 value (ties to even), as fp32: numba has no
+        fp16 type, so the rounding is done at fp16's spacing, in exact power-of-two steps."""
+        if x == 0 or not math.isfinite(x):
+            return x
+        _, e = math.frexp(x)  # |x| in [2 ** (e - 1), 2 ** e)
+        step = -24 if e < -13 else e - 11  # fp16's spacing there: subnormals below 2 ** -14
+        r = np.rint(np.float64(x) * 2.0**-step) * 2.0**step
+        if abs(r) > 65504.0:
+            return np.float32(math.copysign(math.inf, x))
+        return np.float32(r)
+
+    @njit(cache=True)
+    def quantize_dequantize_rows(x, group, levels):
+        """Each row's groups quantized as ``mx.quantize`` does, scales and biases rounded
+        to fp16, and read back as ``mx.dequantize`` reads them, in place."""
+        rows, n = x.shape
+        eps = np.float32(1e-7)
+        for r in range(rows):
+            for g0 in range(0, n, group):
+                top = x[r, g0]
+                low = x[r, g0]
+                for j in range(g0, g0 + group):
+                    top = max(top, x[r, j])
+                    low = min(low, x[r, j])
+                scale = max((top - low) / levels, eps)
+                if abs(low) > abs(top):
+                    edge = low
+                else:
+                    edge = top
+                    scale = -scale
+                q0 = np.float32(np.rint(edge / scale))
+                if q0 != 0:
+                    scale = edge / q0
+                    bias = edge
+                else:
+                    bias = np.float32(0.0)
+                s16 = fp16(scale)
+                b16 = fp16(bias)
+                for j in range(g0, g0 + group):
+                    code = np.float32(np.rint((x[r, j] - bias) / scale))
+                    code = min(max(code, np.float32(0.0)), levels)
+                    x[r, j] = s16 * code + b16
+
+    return hadamard_rows, quantize_dequantize_rows, fp16
+
+
+def hadamard(x: np.ndarray) -> np.ndarray:
+    """``mx.hadamard_transform`` of each row of ``x`` (fp32, a power-of-two length), bit for bit."""
+    out = np.array(x, dtype=F32, copy=True).reshape(-1, x.shape[-1])
+    n = out.shape[1]
+    _kernels()[0](out, F32(1.0 / math.sqrt(n)))
+    return out.reshape(x.shape)
+
+
+def read_back(x: np.ndarray, group: int, bits: int) -> np.ndarray:
+    """Each row of ``x`` quantized in groups of ``group`` (``bits`` bits, fp16 scales and
+    biases) and dequantized to fp32: what the cache's ``_dequantize(_quantize(x))`` gives."""
+    out = np.array(x, dtype=F32, copy=True).reshape(-1, x.shape[-1])
+    _kernels()[1](out, group, F32(2**bits - 1))
+    return out.reshape(x.shape)
+
+
+def fp16_rounded(x: np.ndarray) -> np.ndarray:
+    """``x`` as an fp16 cache stores it, read back in fp32."""
+    return np.asarray(x, dtype=np.float16).astype(F32)

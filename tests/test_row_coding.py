@@ -1,0 +1,63 @@
+"""The numpy coding of a decode step's new rows (``kvshelf.kv.row_coding``) gives MLX's own
+bits: the Hadamard rotation, the 4- and 8-bit group quantization read back through fp16
+scales (tiny, constant and large groups included), and each dense scheme's ``read_back``
+against its cache's ``coded_rows``."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from kvshelf.kv import row_coding
+from kvshelf.kv.schemes import SCHEMES
+from kvshelf.model.spec import LayerSpec
+
+
+def rows(n: int, width: int, seed: int) -> np.ndarray:
+    """Rows of very different magnitudes, with constant, tiny and huge groups among them."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((n, width)) * 10.0 ** rng.integers(-7, 4, (n, 1))
+    x[0] = 0.0
+    x[1] = 3.25
+    x[2, : width // 2] = -1e-6
+    x[3] *= 1e4
+    return x.astype(np.float32)
+
+
+@pytest.mark.parametrize("width", [64, 128, 256])
+def test_the_rotation_has_mlx_bits(width):
+    x = rows(600, width, width)
+    assert np.array_equal(row_coding.hadamard(x), np.array(mx.hadamard_transform(mx.array(x))))
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("group", [32, 64])
+def test_quantized_rows_read_back_with_mlx_bits(group, bits):
+    x = rows(800, 256, group + bits)
+    w, s, z = mx.quantize(mx.array(x), group_size=group, bits=bits)
+    wide = lambda a: a.astype(mx.float16).astype(mx.float32)  # noqa: E731  (the cache keeps fp16)
+    want = np.array(mx.dequantize(w, wide(s), wide(z), group_size=group, bits=bits))
+    assert np.array_equal(row_coding.read_back(x, group, bits), want)
+
+
+def test_fp16_rounding_is_numpys():
+    edges = np.array([65504, 65519, 65520, 2**-14, 2**-24, 3 * 2**-26], dtype=np.float32)
+    x = np.concatenate([rows(300, 64, 7).reshape(-1), edges])
+    assert np.array_equal(row_coding.fp16_rounded(x), x.astype(np.float16).astype(np.float32))
+
+
+DENSE = [name for name, s in SCHEMES.items() if not s.plain]
+
+
+@pytest.mark.parametrize("name", DENSE)
+def test_a_scheme_reads_back_its_own_coded_rows(name):
+    cache = SCHEMES[name].make(LayerSpec(None, 2, 64, 64))
+    k, v = (rows(6, 64, seed).reshape(3, 2, 64) for seed in (1, 2))
+    coded = cache.coded_rows(mx.array(k[:, :, None, :]), mx.array(v[:, :, None, :]), mx.float32, dense=True)
+    got = cache.read_back(k, v)
+    assert got is not None
+    for mine, theirs in zip(got, coded):
+        assert np.array_equal(
+            mine, np.array(theirs)[:, :, 0, :], equal_nan=True
+        )  # NaN: an fp16 scale overflowed, in both
