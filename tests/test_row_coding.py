@@ -51,13 +51,30 @@ DENSE = [name for name, s in SCHEMES.items() if not s.plain]
 
 
 @pytest.mark.parametrize("name", DENSE)
-def test_a_scheme_reads_back_its_own_coded_rows(name):
+def test_a_scheme_codes_and_reads_back_its_rows_as_mlx_does(name):
+    """``read_back``'s rows are ``coded_rows``'s and its codes ``code_rows``'s (NaN where an
+    fp16 scale overflowed, on both sides alike)."""
     cache = SCHEMES[name].make(LayerSpec(None, 2, 64, 64))
     k, v = (rows(6, 64, seed).reshape(3, 2, 64) for seed in (1, 2))
-    coded = cache.coded_rows(mx.array(k[:, :, None, :]), mx.array(v[:, :, None, :]), mx.float32, dense=True)
+    keys, values = mx.array(k[:, :, None, :]), mx.array(v[:, :, None, :])
+    want_k, want_v = cache.coded_rows(keys, values, mx.float32, dense=True)
+    want_codes = cache.code_rows(keys, values)
     got = cache.read_back(k, v)
     assert got is not None
-    for mine, theirs in zip(got, coded):
-        assert np.array_equal(
-            mine, np.array(theirs)[:, :, 0, :], equal_nan=True
-        )  # NaN: an fp16 scale overflowed, in both
+    assert np.array_equal(got.keys, np.array(want_k)[:, :, 0, :], equal_nan=True)
+    assert np.array_equal(got.values, np.array(want_v)[:, :, 0, :], equal_nan=True)
+    for mine, theirs in zip(got.codes(), want_codes):
+        assert (mine is None) == (theirs is None)
+        for a, b in zip(mine or (), theirs or ()):
+            assert a.shape == b.shape and a.dtype == b.dtype
+            assert np.array_equal(np.array(a), np.array(b), equal_nan=True)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_the_codes_are_mlxs(bits):
+    x = rows(500, 128, 40 + bits)
+    (words, scales, biases), _ = row_coding.quantize(x.reshape(250, 2, 128), 64, bits)
+    w, s, z = mx.quantize(mx.array(x), group_size=64, bits=bits)
+    assert np.array_equal(words.reshape(500, -1), np.array(w))
+    assert np.array_equal(scales.reshape(500, -1), np.array(s.astype(mx.float16)), equal_nan=True)
+    assert np.array_equal(biases.reshape(500, -1), np.array(z.astype(mx.float16)), equal_nan=True)

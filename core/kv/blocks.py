@@ -51,6 +51,29 @@ QTriple = tuple[mx.array, mx.array, mx.array]
 # in fp16 until their block is full) and values.
 Codes = tuple[QTriple | None, QTriple]
 
+
+@dataclass
+class CodedRows:
+    """New rows coded on numpy rows with MLX's bits (``kvshelf.kv.row_coding``): what
+    attention reads of them once appended (fp32), and their at-rest codes (packed words,
+    fp16 scales and biases; keys None where they wait in fp16 until their block is full)."""
+
+    keys: np.ndarray
+    values: np.ndarray
+    key_codes: tuple[np.ndarray, np.ndarray, np.ndarray] | None
+    value_codes: tuple[np.ndarray, np.ndarray, np.ndarray]
+
+    def codes(self) -> Codes:
+        """The codes as MLX arrays shaped like ``code_rows``'s (one token per row)."""
+        as_mx = lambda q: tuple(mx.array(x[:, :, None, :]) for x in q)  # noqa: E731
+        keys = as_mx(self.key_codes) if self.key_codes is not None else None
+        return keys, as_mx(self.value_codes)  # type: ignore[return-value]
+
+    def rows(self) -> tuple[mx.array, mx.array]:
+        """What attention reads of the rows, as MLX arrays (one token per row)."""
+        return mx.array(self.keys[:, :, None, :]), mx.array(self.values[:, :, None, :])
+
+
 _NO_STATE = (
     "a kvshelf KV cache cannot be saved or loaded through mlx-lm's cache state "
     "(save_prompt_cache/load_prompt_cache): it would write an empty cache. "
@@ -295,10 +318,10 @@ class QuantizedLayerCache(PackedFetch, _BaseCache):
             return k, v
         return self._dequantize(k, dtype), self._dequantize(v, dtype)
 
-    def read_back(self, keys: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
-        """New rows (fp32 numpy) as ``coded_rows`` would give them densely, bit for bit, or
-        None: plain per-token Q4 hands packed rows to ``quantized_matmul`` instead (a
-        scheme's cache overrides this; ``kvshelf.kv.schemes``)."""
+    def read_back(self, keys: np.ndarray, values: np.ndarray) -> CodedRows | None:
+        """New rows (fp32 numpy) coded as ``code_rows`` and ``coded_rows`` (dense) code them,
+        bit for bit, or None: plain per-token Q4 hands packed rows to ``quantized_matmul``
+        instead (a scheme's cache overrides this; ``kvshelf.kv.schemes``)."""
         return None
 
     def own_rows_at(self, position: int) -> bool:

@@ -60,12 +60,18 @@ def _kernels() -> Any:
         return np.float32(r)
 
     @njit(cache=True)
-    def quantize_dequantize_rows(x, group, levels):
-        """Each row's groups quantized as ``mx.quantize`` does, scales and biases rounded
-        to fp16, and read back as ``mx.dequantize`` reads them, in place."""
+    def quantize_rows(x, group, bits, words, scales, biases):
+        """Each row's groups quantized as ``mx.quantize`` does: codes packed into ``words``
+        (``32 // bits`` a word, the first in the low bits), scales and biases rounded to
+        fp16 (as fp32) as the cache stores them; ``x`` becomes what ``mx.dequantize``
+        reads back from those."""
         rows, n = x.shape
+        levels = np.float32(2**bits - 1)
+        per_word = 32 // bits
         eps = np.float32(1e-7)
         for r in range(rows):
+            for w in range(n // per_word):
+                words[r, w] = 0
             for g0 in range(0, n, group):
                 top = x[r, g0]
                 low = x[r, g0]
@@ -86,12 +92,15 @@ def _kernels() -> Any:
                     bias = np.float32(0.0)
                 s16 = fp16(scale)
                 b16 = fp16(bias)
+                scales[r, g0 // group] = s16
+                biases[r, g0 // group] = b16
                 for j in range(g0, g0 + group):
                     code = np.float32(np.rint((x[r, j] - bias) / scale))
                     code = min(max(code, np.float32(0.0)), levels)
+                    words[r, j // per_word] |= np.uint32(code) << np.uint32(bits * (j % per_word))
                     x[r, j] = s16 * code + b16
 
-    return hadamard_rows, quantize_dequantize_rows, fp16
+    return hadamard_rows, quantize_rows, fp16
 
 
 def hadamard(x: np.ndarray) -> np.ndarray:
@@ -102,12 +111,30 @@ def hadamard(x: np.ndarray) -> np.ndarray:
     return out.reshape(x.shape)
 
 
+def quantize(x: np.ndarray, group: int, bits: int) -> tuple[tuple[np.ndarray, np.ndarray, np.ndarray], np.ndarray]:
+    """Each row of ``x`` quantized in groups of ``group`` (``bits`` bits): the codes as the
+    cache stores them (packed uint32 words, fp16 scales and biases; ``mx.quantize``'s bits)
+    and the fp32 rows they read back as (the cache's ``_dequantize``)."""
+    shape = x.shape
+    rows = np.array(x, dtype=F32, copy=True).reshape(-1, shape[-1])
+    n = rows.shape[1]
+    words = np.empty((rows.shape[0], n * bits // 32), dtype=np.uint32)
+    scales = np.empty((rows.shape[0], n // group), dtype=F32)
+    biases = np.empty_like(scales)
+    _kernels()[1](rows, group, bits, words, scales, biases)
+    lead = shape[:-1]
+    codes = (
+        words.reshape(*lead, -1),
+        scales.astype(np.float16).reshape(*lead, -1),  # already fp16 values: exact
+        biases.astype(np.float16).reshape(*lead, -1),
+    )
+    return codes, rows.reshape(shape)
+
+
 def read_back(x: np.ndarray, group: int, bits: int) -> np.ndarray:
     """Each row of ``x`` quantized in groups of ``group`` (``bits`` bits, fp16 scales and
     biases) and dequantized to fp32: what the cache's ``_dequantize(_quantize(x))`` gives."""
-    out = np.array(x, dtype=F32, copy=True).reshape(-1, x.shape[-1])
-    _kernels()[1](out, group, F32(2**bits - 1))
-    return out.reshape(x.shape)
+    return quantize(x, group, bits)[1]
 
 
 def fp16_rounded(x: np.ndarray) -> np.ndarray:

@@ -39,7 +39,7 @@ import mlx.core as mx
 import numpy as np
 
 from kvshelf.kv import row_coding
-from kvshelf.kv.blocks import SCALE_DTYPE, Codes, LayerRows, QTriple, QuantizedLayerCache, SharedLayer, each
+from kvshelf.kv.blocks import SCALE_DTYPE, CodedRows, Codes, LayerRows, QTriple, QuantizedLayerCache, SharedLayer, each
 from kvshelf.model.spec import BLOCK_TOKENS, LayerSpec
 
 FP16 = mx.float16
@@ -322,20 +322,20 @@ class SchemeLayerCache(QuantizedLayerCache):
         k = self._dequantize(key_codes, dtype)
         return (_rotate(k) if sch.rotate_keys else k), v
 
-    def read_back(self, keys: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
-        """``coded_rows(keys, values, float32, dense=True)`` on fp32 numpy rows, bit for bit
-        (``kvshelf.kv.row_coding`` mirrors MLX's arithmetic): what a decode step's own
-        token reads of itself, without an MLX evaluation in the middle of the step."""
+    def read_back(self, keys: np.ndarray, values: np.ndarray) -> CodedRows | None:
+        """``code_rows`` and ``coded_rows(..., float32, dense=True)`` on fp32 numpy rows, bit
+        for bit (``kvshelf.kv.row_coding`` mirrors MLX's arithmetic): what a decode step's
+        own token reads of itself and stores, without an MLX evaluation inside the step."""
         sch = self.scheme
         if keys.dtype != np.float32 or values.dtype != np.float32:
             return None
         g, bits = self.group_size, self._bits
-        v = row_coding.read_back(row_coding.hadamard(values) if sch.rotate_values else values, g, bits)
+        value_codes, v = row_coding.quantize(row_coding.hadamard(values) if sch.rotate_values else values, g, bits)
         v = row_coding.hadamard(v) if sch.rotate_values else v
         if sch.channel_keys:  # a new key waits in the fp16 tail
-            return row_coding.fp16_rounded(keys), v
-        k = row_coding.read_back(row_coding.hadamard(keys) if sch.rotate_keys else keys, g, bits)
-        return (row_coding.hadamard(k) if sch.rotate_keys else k), v
+            return CodedRows(row_coding.fp16_rounded(keys), v, None, value_codes)
+        key_codes, k = row_coding.quantize(row_coding.hadamard(keys) if sch.rotate_keys else keys, g, bits)
+        return CodedRows(row_coding.hadamard(k) if sch.rotate_keys else k, v, key_codes, value_codes)
 
     def own_rows_at(self, position: int) -> bool:
         return position < self.scheme.sinks

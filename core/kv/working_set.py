@@ -54,7 +54,7 @@ import mlx.core as mx
 import numpy as np
 
 from kvshelf.kv.batch import BatchLayerView
-from kvshelf.kv.blocks import Codes, QuantizedLayerCache, each
+from kvshelf.kv.blocks import CodedRows, Codes, QuantizedLayerCache, each
 from kvshelf.switches import env_on
 
 # Free columns added whenever a buffer fills up: a grow copies the buffer, so it comes
@@ -143,6 +143,11 @@ class DecodeLayer(BatchLayerView):
         return super().make_mask(n, window_size, return_array)
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[Any, Any]:
+        return self._update(keys, values, None)
+
+    def _update(self, keys: mx.array, values: mx.array, coded: CodedRows | None) -> tuple[Any, Any]:
+        """``update_and_fetch``, with the new rows' codes and read-back rows taken from
+        ``coded`` (numpy, the same bits) where given instead of coded here."""
         if keys.shape[2] != 1:
             raise ValueError("a decode working set takes one token per agent per step")
         if PIPELINE:
@@ -161,10 +166,13 @@ class DecodeLayer(BatchLayerView):
         # Every member's new row coded at once: coding is row by row, so a member's slice is
         # what its own append would store, and what its own ``attention_rows`` of that row
         # would give back.
-        codes = self.members[0].code_rows(keys, values)
+        codes = coded.codes() if coded is not None else self.members[0].code_rows(keys, values)
         for b, m in enumerate(self.members):
             m.append(keys[b : b + 1], values[b : b + 1], _member_codes(codes, b))
-        new_k, new_v = (_rows(x) for x in self.members[0].coded_rows(keys, values, keys.dtype, self._dense, codes))
+        if coded is not None:
+            new_k, new_v = (_rows(x) for x in coded.rows())
+        else:
+            new_k, new_v = (_rows(x) for x in self.members[0].coded_rows(keys, values, keys.dtype, self._dense, codes))
         col = self.end
         self._write(kbuf, slice(None), col, list(new_k))
         self._write(vbuf, slice(None), col, list(new_v))
@@ -189,10 +197,10 @@ class DecodeLayer(BatchLayerView):
         return cut(kbuf), cut(vbuf)
 
     # -- a step that codes its own token (kvshelf.model.native_decode) -------------------
-    def read_back(self, keys: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
-        """What this step's new rows (numpy, one per member) will read back as once
-        appended, bit for bit as the cache codes them, or None where that is not known
-        here (a scheme without a numpy coding, a sink's position, packed rows)."""
+    def read_back(self, keys: np.ndarray, values: np.ndarray) -> CodedRows | None:
+        """This step's new rows (numpy, one per member) coded as the cache codes them, bit
+        for bit, and what they read back as once appended, or None where that is not
+        known here (a scheme without a numpy coding, a sink's position, packed rows)."""
         if not self._dense or any(m.own_rows_at(m.offset) for m in self.members):
             return None
         return self.members[0].read_back(keys, values)
@@ -207,12 +215,12 @@ class DecodeLayer(BatchLayerView):
         width = max(m.offset + 1 - m.start_after(1) for m in self.members)
         return self.keys, self.values, self.end - (width - 1), self.end
 
-    def advance(self, keys: mx.array, values: mx.array) -> None:
+    def advance(self, keys: mx.array, values: mx.array, coded: CodedRows) -> None:
         """Append a step's tokens after its attention has read them (``previous_columns``
-        and their ``read_back`` rows): ``update_and_fetch``'s appends and writes, and at
-        once the re-read of a key block that these tokens closed, which their own queries
-        read open (fp16) and the next ones read quantized."""
-        self.update_and_fetch(keys, values)
+        and ``coded``, their ``read_back``): ``update_and_fetch``'s appends and writes with
+        those codes, and at once the re-read of a key block that these tokens closed,
+        which their own queries read open (fp16) and the next ones read quantized."""
+        self._update(keys, values, coded)
         assert self.keys is not None and self.values is not None
         for b, m in enumerate(self.members):
             if not (m.open_key_block and m.stable_until > self.closed[b]):

@@ -11,8 +11,8 @@ Here every layer runs on numpy rows (``kvshelf.model.native_ops``) and the block
 product. Over a decode working set (``kvshelf.kv.working_set.DecodeLayer``) attention reads
 the buffer's stored columns and the step's own rows as the cache will code them (numpy,
 MLX's bits: ``kvshelf.kv.row_coding``), and the working set's MLX update of every layer
-waits until the last layer is done, then starts while the caller projects the head: no
-MLX evaluation inside the step (``defer_updates``; the llama's 30 layers each paid one).
+(writing those codes and rows, no coding left to MLX) waits until the last layer is done:
+one MLX evaluation a step instead of one a layer (``defer_updates``).
 Other caches keep one update and evaluation per layer. The head is the caller's
 (``kvshelf.model.head.ProjectedModel``).
 
@@ -150,7 +150,7 @@ class NativeDecoder:
         if self._embed_scale is not None:
             h *= F32(self._embed_scale)
         full, sliding = (mask_bias(m) for m in self._masks(inputs, cache))
-        self._deferred: list[tuple[Any, np.ndarray, np.ndarray]] = []
+        self._deferred: list[tuple[Any, np.ndarray, np.ndarray, Any]] = []
         for layer, c in zip(self.layers, cache):
             h = self._block(layer, h, sliding if layer.sliding else full, c)
         h = rms_norm(h, self._final, self._eps)
@@ -159,13 +159,15 @@ class NativeDecoder:
 
     def _append_deferred(self) -> None:
         """The caches' own updates of the layers whose attention read the step's new rows
-        from numpy (``_attention``), handed to MLX together once every layer is done, and
-        started there (``mx.async_eval``) while the caller projects the head."""
+        from numpy (``_attention``), with the codes numpy made: handed to MLX together once
+        every layer is done, and evaluated at once. Not in the background while the caller
+        projects the head: MLX's thread then took a core from the head's two-thread product
+        (Gemma 3, batch 4: slower than an update per layer; evaluated here, faster)."""
         deferred, self._deferred = self._deferred, []
-        for c, k, v in deferred:
-            c.advance(mx.array(k[:, :, None, :]), mx.array(v[:, :, None, :]))
+        for c, k, v, coded in deferred:
+            c.advance(mx.array(k[:, :, None, :]), mx.array(v[:, :, None, :]), coded)
         if deferred:
-            mx.async_eval([x for c, _, _ in deferred for x in c.arrays()])
+            mx.eval([x for c, *_ in deferred for x in c.arrays()])
 
     def _attention(self, layer: NativeLayer, x: np.ndarray, mask: np.ndarray | None, cache: Any) -> np.ndarray:
         """Projections, RoPE at each agent's own position, the cache's update and fetch (MLX),
@@ -188,8 +190,8 @@ class NativeDecoder:
             key_buf, value_buf, lo, end = cache.previous_columns(mx.float32)
             keys_np = buffer_view(key_buf[0])[:, :, lo:end]
             values_np = buffer_view(value_buf[0])[:, :, lo:end]
-            out = attend(q, keys_np, values_np, mask, layer.scale, new_keys=coded[0], new_values=coded[1])
-            self._deferred.append((cache, k, v))
+            out = attend(q, keys_np, values_np, mask, layer.scale, new_keys=coded.keys, new_values=coded.values)
+            self._deferred.append((cache, k, v, coded))
             return self._product(out, layer.o)
         keys, values = cache.update_and_fetch(mx.array(k[:, :, None, :]), mx.array(v[:, :, None, :]))
         if isinstance(keys, tuple) or isinstance(values, tuple):
