@@ -118,6 +118,8 @@ def test_attention_matches_mlx_with_grouped_heads_and_masks(mask_kind, layout, s
         assert close(got, np.array(want).reshape(b, heads * d), 1e-5), splits
     if width >= 2 * SPLIT_COLUMNS:
         assert column_splits(b * kv, width) == min(2, usable_cpus())
+    for pairs in (1, 2, 3, 4, 9):  # every core gets as many jobs as the others on a long context
+        assert pairs * column_splits(pairs, 1 << 14) % usable_cpus() == 0
     with pytest.raises(ValueError, match="decode mask"):
         attend(q, keys, values, np.zeros((b, width + 1), dtype=np.float32), 0.125)
 
