@@ -65,9 +65,12 @@ class CodedRows:
 
     def codes(self) -> Codes:
         """The codes as MLX arrays shaped like ``code_rows``'s (one token per row)."""
-        as_mx = lambda q: tuple(mx.array(x[:, :, None, :]) for x in q)  # noqa: E731
-        keys = as_mx(self.key_codes) if self.key_codes is not None else None
-        return keys, as_mx(self.value_codes)  # type: ignore[return-value]
+
+        def as_mx(q: tuple[np.ndarray, np.ndarray, np.ndarray]) -> QTriple:
+            w, s, z = (mx.array(x[:, :, None, :]) for x in q)
+            return w, s, z
+
+        return (as_mx(self.key_codes) if self.key_codes is not None else None), as_mx(self.value_codes)
 
     def rows(self) -> tuple[mx.array, mx.array]:
         """What attention reads of the rows, as MLX arrays (one token per row)."""

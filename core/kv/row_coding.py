@@ -100,7 +100,7 @@ def _kernels() -> Any:
                     words[r, j // per_word] |= np.uint32(code) << np.uint32(bits * (j % per_word))
                     x[r, j] = s16 * code + b16
 
-    return hadamard_rows, quantize_rows, fp16
+    return hadamard_rows, quantize_rows
 
 
 def hadamard(x: np.ndarray) -> np.ndarray:
@@ -129,12 +129,6 @@ def quantize(x: np.ndarray, group: int, bits: int) -> tuple[tuple[np.ndarray, np
         biases.astype(np.float16).reshape(*lead, -1),
     )
     return codes, rows.reshape(shape)
-
-
-def read_back(x: np.ndarray, group: int, bits: int) -> np.ndarray:
-    """Each row of ``x`` quantized in groups of ``group`` (``bits`` bits, fp16 scales and
-    biases) and dequantized to fp32: what the cache's ``_dequantize(_quantize(x))`` gives."""
-    return quantize(x, group, bits)[1]
 
 
 def fp16_rounded(x: np.ndarray) -> np.ndarray:

@@ -187,9 +187,7 @@ class DecodeLayer(BatchLayerView):
                 lo = min(stables[b], olds[b])
             if lo == olds[b] and not m.own_rows_at(olds[b]):
                 continue
-            k, v = (_rows(x) for x in m.attention_rows(lo, m.offset, keys.dtype, self._dense))
-            self._write(kbuf, slice(b, b + 1), col + 1 - k[0].shape[2], list(k))
-            self._write(vbuf, slice(b, b + 1), col + 1 - v[0].shape[2], list(v))
+            self._reread(b, lo, col + 1, keys.dtype)
         self.end = col + 1
         self.synced = [m.offset for m in self.members]
         width = max(m.offset - m.start for m in self.members)
@@ -221,15 +219,18 @@ class DecodeLayer(BatchLayerView):
         those codes, and at once the re-read of a key block that these tokens closed,
         which their own queries read open (fp16) and the next ones read quantized."""
         self._update(keys, values, coded)
-        assert self.keys is not None and self.values is not None
         for b, m in enumerate(self.members):
-            if not (m.open_key_block and m.stable_until > self.closed[b]):
-                continue
-            lo = max(self.closed[b], m.start)
-            self.closed[b] = m.stable_until
-            k, v = (_rows(x) for x in m.attention_rows(lo, m.offset, keys.dtype, self._dense))
-            self._write(self.keys, slice(b, b + 1), self.end - k[0].shape[2], list(k))
-            self._write(self.values, slice(b, b + 1), self.end - v[0].shape[2], list(v))
+            if m.open_key_block and m.stable_until > self.closed[b]:
+                lo, self.closed[b] = max(self.closed[b], m.start), m.stable_until
+                self._reread(b, lo, self.end, keys.dtype)
+
+    def _reread(self, b: int, lo: int, end: int, dtype: mx.Dtype) -> None:
+        """Member ``b``'s rows ``lo..offset`` read again from its cache, ending at column ``end``."""
+        assert self.keys is not None and self.values is not None
+        m = self.members[b]
+        k, v = (_rows(x) for x in m.attention_rows(lo, m.offset, dtype, self._dense))
+        self._write(self.keys, slice(b, b + 1), end - k[0].shape[2], list(k))
+        self._write(self.values, slice(b, b + 1), end - v[0].shape[2], list(v))
 
     # -- the buffer ----------------------------------------------------------------------
     @staticmethod

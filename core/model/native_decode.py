@@ -170,8 +170,10 @@ class NativeDecoder:
             mx.eval([x for c, *_ in deferred for x in c.arrays()])
 
     def _attention(self, layer: NativeLayer, x: np.ndarray, mask: np.ndarray | None, cache: Any) -> np.ndarray:
-        """Projections, RoPE at each agent's own position, the cache's update and fetch (MLX),
-        attention over what it fetched and the output projection."""
+        """Projections, RoPE at each agent's own position, attention and the output
+        projection; attention reads a working set's stored columns and the new rows from
+        numpy (their MLX update deferred), or whatever the cache's own update and fetch
+        (MLX) hands over."""
         b = x.shape[0]
         d = layer.q.shape[0] // layer.heads
         q = self._product(x, layer.q).reshape(b, layer.heads, d)

@@ -246,6 +246,9 @@ def _attention_kernel() -> Any:
     return grouped_decode
 
 
+_NO_ROW = np.zeros((1, 1, 1), dtype=F32)  # new_keys/new_values when there is no new column
+
+
 def column_splits(heads: int, width: int) -> int:
     """How many column ranges each of ``heads`` (agent, KV head) pairs is cut into: the
     fewest that give every core the same number of jobs (the llama's 3 KV heads on 2 cores
@@ -294,6 +297,3 @@ def attend(
     kernel = _attention_kernel()
     kernel(grouped, k, v, pitch, np.ascontiguousarray(bias, dtype=F32), splits, new_keys, new_values, extra, out)
     return out.reshape(b, heads * values.shape[3])
-
-
-_NO_ROW = np.zeros((1, 1, 1), dtype=F32)  # new_keys/new_values when there is no new column
