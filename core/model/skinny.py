@@ -96,34 +96,59 @@ def _kernel() -> Any:
     return rows_by_weight
 
 
-def _block_loop(block: int) -> Any:
-    """The loop that takes ``block`` rows at once (``x``'s row count a multiple of it): each
-    weight element, loaded once, is multiplied into ``block`` sums, which LLVM keeps in
-    registers (``block`` is a compile-time constant, so the inner loops unroll)."""
+# Weight rows the block of eight x rows takes at once: each x element, loaded once, is
+# multiplied into that many weight rows' sums. One weight row at a time, eight x rows load
+# nine values for eight products, and the product is bound by those loads: every layer
+# projection of a step at 8 rows, the model's own weights in huge pages, medians of 20
+# interleaved rounds (scratch run, 2-core EPYC): the 30-layer llama 37.7 ms one weight row
+# at a time, 34.0 by fours, 35.6 by sixes; Gemma 3 34.5, 27.5, 26.9. At 2 and 4 x rows
+# the loads keep up with memory and more weight rows only slowed it (llama at 4 rows: 24.3
+# against 29.6 ms by fours), so those blocks take one.
+WEIGHT_ROWS = 4
+
+
+def _block_loop(block: int, tile: int) -> Any:
+    """The loop that takes ``block`` rows at once (``x``'s row count a multiple of it) against
+    ``tile`` weight rows (``WEIGHT_ROWS``): each element loaded once is multiplied into the sums it
+    meets, which LLVM keeps in registers (both counts are compile-time constants, so the
+    inner loops unroll). Weight rows past the last whole tile run one at a time."""
     from numba import njit, prange
 
     @njit(_signatures(), parallel=True, fastmath=True, cache=True, boundscheck=False)
     def rows_by_weight_in_blocks(x: np.ndarray, weight: np.ndarray, out: np.ndarray) -> None:
         rows, k = x.shape
-        for j in prange(weight.shape[0]):
+        n = weight.shape[0]
+        tiles = n // tile
+        for jt in prange(tiles + n - tiles * tile):
+            j = jt * tile if jt < tiles else tiles * tile + (jt - tiles)
+            width = tile if jt < tiles else 1
             for b in range(0, rows, block):
-                sums = np.zeros(block, dtype=np.float32)
-                for i in range(k):
-                    w = weight[j, i]
+                sums = np.zeros((tile, block), dtype=np.float32)
+                if width == tile:
+                    for i in range(k):
+                        for t in range(tile):
+                            w = weight[j + t, i]
+                            for r in range(block):
+                                sums[t, r] += x[b + r, i] * w
+                else:
+                    for i in range(k):
+                        w = weight[j, i]
+                        for r in range(block):
+                            sums[0, r] += x[b + r, i] * w
+                for t in range(width):
                     for r in range(block):
-                        sums[r] += x[b + r, i] * w
-                for r in range(block):
-                    out[b + r, j] = sums[r]
+                        out[b + r, j + t] = sums[t, r]
 
     return rows_by_weight_in_blocks
 
 
 @cache
-def _blocks() -> dict[int, Any]:
-    """Loops by twos, fours and eights. The row-invariant loop loads each weight element again
-    for every row; these load it once for the block, so a step of several rows costs closer
-    to its weight's bytes than to its rows' loads (measured in ``blocked_product``)."""
-    return {block: _block_loop(block) for block in (2, 4, 8)}
+def _blocks(weight_rows: int = WEIGHT_ROWS) -> dict[int, Any]:
+    """Loops by twos, fours and eights (the eights against ``weight_rows`` weight rows). The
+    row-invariant loop loads each weight element again for every row; these load it once
+    for the block, so a step of several rows costs closer to its weight's bytes than to its
+    rows' loads (measured in ``blocked_product``)."""
+    return {2: _block_loop(2, 1), 4: _block_loop(4, 1), 8: _block_loop(8, weight_rows)}
 
 
 def _checked(x: np.ndarray, weight: np.ndarray) -> np.ndarray:
@@ -150,9 +175,10 @@ def _block_of(rows: int) -> int:
     return 1 if rows == 1 else 2 if rows == 2 else 4 if rows <= 4 else 8
 
 
-def _blocked(x: np.ndarray, weight: np.ndarray) -> np.ndarray:
+def _blocked(x: np.ndarray, weight: np.ndarray, weight_rows: int = WEIGHT_ROWS) -> np.ndarray:
     """``x @ weight.T`` as ``_product``, a row alone through its loop, more rows in register
-    blocks (zero rows added up to the block's multiple; their sums are dropped)."""
+    blocks (eights against ``weight_rows`` weight rows; zero rows added up to the block's multiple; their
+    sums are dropped)."""
     x = _checked(x, weight)
     rows = x.shape[0]
     block = _block_of(rows)
@@ -162,8 +188,15 @@ def _blocked(x: np.ndarray, weight: np.ndarray) -> np.ndarray:
     if padded != rows:
         x = np.concatenate([x, np.zeros((padded - rows, x.shape[1]), dtype=np.float32)])
     out = np.empty((padded, weight.shape[0]), dtype=np.float32)
-    _blocks()[block](x, weight, out)
+    _blocks(weight_rows)[block](x, weight, out)
     return out[:rows]
+
+
+def blocked_by_weight_rows(weight_rows: int) -> Gemm:
+    """``blocked_product``'s loops with the block of eight rows against ``weight_rows`` weight
+    rows (1: one at a time, as before ``WEIGHT_ROWS``), unchecked: for ``benchmarks/head_rows.py`` to time
+    them side by side."""
+    return lambda x, weight: _blocked(x, weight, weight_rows)
 
 
 def _invariant_and_exact(product: Gemm) -> bool:
