@@ -124,6 +124,23 @@ def test_attention_matches_mlx_with_grouped_heads_and_masks(mask_kind, layout, s
         attend(q, keys, values, np.zeros((b, width + 1), dtype=np.float32), 0.125)
 
 
+@pytest.mark.parametrize("spread", [1.0, 40.0, 400.0])
+def test_attention_weights_match_mlx_where_most_underflow(spread):
+    """The kernel's own exp (a polynomial, 0 below exp(-87)): scores spread from a few units
+    to hundreds apart, so that most weights lie far under the largest or underflow."""
+    rng = np.random.default_rng(7)
+    b, heads, kv, width, d = 2, 6, 2, 700, 64
+    q = (rng.standard_normal((b, heads, d)) * spread / 8).astype(np.float32)
+    keys = rng.standard_normal((b, kv, width, d)).astype(np.float32)
+    values = rng.standard_normal((b, kv, width, d)).astype(np.float32)
+    want = mx.fast.scaled_dot_product_attention(
+        mx.array(q[:, :, None, :]), mx.array(keys), mx.array(values), scale=0.125
+    )
+    for splits in (1, 2):
+        got = attend(q, keys, values, None, 0.125, splits)
+        assert close(got, np.array(want).reshape(b, heads * d), 1e-5), (spread, splits)
+
+
 # -- whole steps --------------------------------------------------------------------------------
 
 

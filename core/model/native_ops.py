@@ -146,6 +146,17 @@ def _rows_of(a: np.ndarray) -> tuple[np.ndarray, int]:
     return np.ascontiguousarray(a).reshape(b * kv * width, d), width
 
 
+# The attention weights' exp (``_attention_kernel``): Cephes' single-precision expf, within
+# 3e-7 of the exact exp (relative) over every weight a softmax takes, and 0 below EXP_FLOOR
+# (exp(-87) is 1.6e-38, under fp32's smallest normal). Numba's own np.exp runs a scalar
+# call a lane: 2.4 ns an element on this 2-core EPYC against 0.31 here (scratch run, a
+# million elements), where the llama's 16K context takes 4.4 million exps a step per agent.
+LOG2E = F32(1.4426950408889634)
+LN2_HIGH, LN2_LOW = F32(0.693359375), F32(-2.12194440e-4)
+EXP_5, EXP_4, EXP_3 = F32(1.9875691500e-4), F32(1.3981999507e-3), F32(8.3334519073e-3)
+EXP_2, EXP_1, EXP_0 = F32(4.1665795894e-2), F32(1.6666665459e-1), F32(5.0000001201e-1)
+EXP_FLOOR = F32(-87.0)
+
 # Columns below which a head's keys are not split between jobs: a job's fixed cost (a few
 # microseconds) would outweigh what a second core reads.
 SPLIT_COLUMNS = 256
@@ -194,13 +205,28 @@ def _attention_kernel() -> Any:
                     for i in range(d):
                         total += q[b, h, g, i] * new_k[b, h, i]
                     scores[g, t] = total + bias[br, lo + t]
+            powers = np.empty(max(n, 1), dtype=np.int32)  # 2**k of each weight's exp, as fp32 bits
             for g in range(group):
                 top = MASKED
                 for t in range(n):
                     top = max(top, scores[g, t])
+                # exp(score - top) in two vector loops (numba's np.exp is a scalar call a
+                # lane): exp(x) = 2**k * exp(r), r = x - k ln 2 in [-ln2/2, ln2/2], exp(r)
+                # by Cephes' expf polynomial, 2**k put together in an int32's exponent bits.
+                # Below EXP_FLOOR the weight is exactly 0 (masked columns and underflow).
+                for t in range(n):
+                    x = scores[g, t] - top
+                    c = max(x, EXP_FLOOR)
+                    power = np.floor(c * LOG2E + np.float32(0.5))
+                    r = c - power * LN2_HIGH - power * LN2_LOW
+                    e = ((((EXP_5 * r + EXP_4) * r + EXP_3) * r + EXP_2) * r + EXP_1) * r + EXP_0
+                    e = e * r * r + r + np.float32(1.0)
+                    powers[t] = (np.int32(power) + np.int32(127)) << np.int32(23)
+                    scores[g, t] = e if x >= EXP_FLOOR else np.float32(0.0)
+                scales = powers.view(np.float32)
                 denominator = np.float32(0.0)
                 for t in range(n):
-                    e = np.exp(scores[g, t] - top)
+                    e = scores[g, t] * scales[t]
                     scores[g, t] = e
                     denominator += e
                 tops[head, part, g] = top
