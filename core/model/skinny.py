@@ -221,17 +221,30 @@ def _invariant_and_exact(product: Gemm) -> bool:
     return True
 
 
+# Spins (libgomp's GOMP_SPINCOUNT) a Numba worker waits for the next parallel call before
+# it sleeps: about 0.2 ms of one core on this 2-core EPYC (CPU time burned after a call).
+# libgomp's default (300000, milliseconds) took the cores from MLX's work between a step's
+# products (embedded Gemma 3, batch 4: 395 ms a step against 222 with none). With none
+# (OMP_WAIT_POLICY=PASSIVE, as until now) every call woke a sleeping worker, about 40 us
+# after a gap of Python work (scratch: a tiny product 54 us after a 100 us gap, 6 us with
+# this), and a native decode step makes about 240 such calls. Whole native steps at 1K,
+# separate processes run one after the other under the benchmark lock, passive / this:
+# llama batch 1 36.8 / 28.2 ms, batch 8 87.0 / 76.8; Gemma 3 batch 1 50.6 / 40.3, batch 4
+# 68.0 / 54.3 (100000 spins: 31.8, 73.2, 42.0, 58.4).
+WORKER_SPIN = 10000
+
+
 @cache
 def skinny_product() -> Gemm | None:
     """``x @ weight.T`` for a few rows ``x``, each row's bits its own, reading ``weight``
     once; None if numba is missing, ``KVSHELF_NO_SKINNY`` is set or the check fails."""
     if env_on("KVSHELF_NO_SKINNY"):
         return None
-    # Numba's OpenMP workers sleep between calls rather than spin (libgomp's default spins):
-    # a step calls this between MLX's work, which spinning workers would take cores from
-    # (embedded Gemma 3, batch 4: 222 ms a step against 395, benchmarks/decode.py). Read
-    # when libgomp loads, so only if nothing loaded it before.
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    # How long Numba's OpenMP workers wait for the next call before they sleep
+    # (``WORKER_SPIN``). Read when libgomp loads, so only if nothing loaded it before, and
+    # only if the user set neither variable.
+    if "GOMP_SPINCOUNT" not in os.environ and "OMP_WAIT_POLICY" not in os.environ:
+        os.environ["GOMP_SPINCOUNT"] = str(WORKER_SPIN)
     try:
         import numba
     except ImportError:
