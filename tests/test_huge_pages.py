@@ -43,7 +43,18 @@ def test_an_arrays_memory_moves_into_huge_pages_and_keeps_its_values():
     assert buffer_view(a).ctypes.data == address  # the same buffer
     if _system_collapses():
         assert moved >= 2 * HUGE_PAGE  # at least the aligned stretches inside 8 MB
-        assert huge_page_bytes([a]) >= 2 * HUGE_PAGE
+        # The kernel may split a collapsed page again before smaps is read (under memory
+        # pressure, or a DAMON scheme: a full test run once saw 0 bytes here right after a
+        # collapse that succeeded), so the collapse is tried up to three times; memory
+        # that never lands in huge pages still fails.
+        held = huge_page_bytes([a])
+        for _ in range(2):
+            if held >= 2 * HUGE_PAGE:
+                break
+            collapse([a])
+            held = huge_page_bytes([a])
+        assert held >= 2 * HUGE_PAGE
+        assert np.array_equal(np.array(a), before)
     else:
         assert moved == 0
     assert collapse([mx.zeros((16,))]) == 0  # smaller than a huge page: nothing to move
