@@ -107,11 +107,13 @@ def _kernel() -> Any:
 WEIGHT_ROWS = 4
 
 
+@cache
 def _block_loop(block: int, tile: int) -> Any:
     """The loop that takes ``block`` rows at once (``x``'s row count a multiple of it) against
-    ``tile`` weight rows (``WEIGHT_ROWS``): each element loaded once is multiplied into the sums it
-    meets, which LLVM keeps in registers (both counts are compile-time constants, so the
-    inner loops unroll). Weight rows past the last whole tile run one at a time."""
+    ``tile`` weight rows: each element loaded once is multiplied into the sums it meets,
+    which LLVM keeps in registers (both counts are compile-time constants, so the inner
+    loops unroll). Weight rows past the last whole tile run one at a time. Built once per
+    (block, tile)."""
     from numba import njit, prange
 
     @njit(_signatures(), parallel=True, fastmath=True, cache=True, boundscheck=False)
@@ -142,7 +144,6 @@ def _block_loop(block: int, tile: int) -> Any:
     return rows_by_weight_in_blocks
 
 
-@cache
 def _blocks(weight_rows: int = WEIGHT_ROWS) -> dict[int, Any]:
     """Loops by twos, fours and eights (the eights against ``weight_rows`` weight rows). The
     row-invariant loop loads each weight element again for every row; these load it once
@@ -177,8 +178,8 @@ def _block_of(rows: int) -> int:
 
 def _blocked(x: np.ndarray, weight: np.ndarray, weight_rows: int = WEIGHT_ROWS) -> np.ndarray:
     """``x @ weight.T`` as ``_product``, a row alone through its loop, more rows in register
-    blocks (eights against ``weight_rows`` weight rows; zero rows added up to the block's multiple; their
-    sums are dropped)."""
+    blocks, eights against ``weight_rows`` weight rows (zero rows added up to the block's
+    multiple; their sums are dropped)."""
     x = _checked(x, weight)
     rows = x.shape[0]
     block = _block_of(rows)
@@ -194,8 +195,8 @@ def _blocked(x: np.ndarray, weight: np.ndarray, weight_rows: int = WEIGHT_ROWS) 
 
 def blocked_by_weight_rows(weight_rows: int) -> Gemm:
     """``blocked_product``'s loops with the block of eight rows against ``weight_rows`` weight
-    rows (1: one at a time, as before ``WEIGHT_ROWS``), unchecked: for ``benchmarks/head_rows.py`` to time
-    them side by side."""
+    rows (1: one at a time, as before ``WEIGHT_ROWS``), unchecked: for
+    ``benchmarks/head_rows.py`` to time them side by side."""
     return lambda x, weight: _blocked(x, weight, weight_rows)
 
 
@@ -225,7 +226,7 @@ def _invariant_and_exact(product: Gemm) -> bool:
 # it sleeps: about 0.2 ms of one core on this 2-core EPYC (CPU time burned after a call).
 # libgomp's default (300000, milliseconds) took the cores from MLX's work between a step's
 # products (embedded Gemma 3, batch 4: 395 ms a step against 222 with none). With none
-# (OMP_WAIT_POLICY=PASSIVE, as until now) every call woke a sleeping worker, about 40 us
+# (OMP_WAIT_POLICY=PASSIVE, the setting before this) every call woke a sleeping worker, about 40 us
 # after a gap of Python work (scratch: a tiny product 54 us after a 100 us gap, 6 us with
 # this), and a native decode step makes about 240 such calls. Whole native steps at 1K,
 # separate processes run one after the other under the benchmark lock, passive / this:
