@@ -65,13 +65,14 @@ def test_a_shape_without_a_plan_keeps_sgemv_rows(tiny_dirs):
 def test_a_models_planned_layers_give_a_row_the_same_bits_in_any_number_of_rows(tmp_path):
     """A llama with Gemma 3 270M's widths (hidden 640, MLP 2048, 4 heads of 256, one KV head):
     its planned layers (and any left to sgemv) compute every row as that row alone, and the
-    whole body stays the model's function."""
+    whole body stays the model's function. Plans serve where the skinny products are off
+    (without numba, or ``skinny=False``); with them, ``invariant_blocked_product`` runs."""
     path = make_tiny_model_dir(
         tmp_path / "wide", "llama", hidden_size=640, intermediate_size=2048, num_attention_heads=4,
         num_key_value_heads=1, head_dim=256, num_hidden_layers=1,
     )  # fmt: skip
     model = load(path, progress=False).model
-    fast = with_fast_linears(model, all_rows=True)
+    fast = with_fast_linears(model, all_rows=True, skinny=False)
     assert isinstance(fast, ProjectedModel) and fast._all_rows
     layers = [m for _, m in fast.body.named_modules() if isinstance(m, GemvLinear)]
     planned = [layer for layer in layers if layer._plan is not None]

@@ -17,7 +17,13 @@ from kvshelf.model.few_rows import MAX_FEW_ROWS
 from kvshelf.model.gemv import GemvLinear, with_fast_linears
 from kvshelf.model.head import ProjectedModel, buffer_view
 from kvshelf.model.loader import load
-from kvshelf.model.skinny import MAX_LAYER_ROWS, MIN_LAYER_BYTES, blocked_product, skinny_product
+from kvshelf.model.skinny import (
+    MAX_LAYER_ROWS,
+    MIN_LAYER_BYTES,
+    blocked_product,
+    invariant_blocked_product,
+    skinny_product,
+)
 from tests.support.tiny import make_tiny_model_dir
 
 
@@ -66,6 +72,50 @@ def test_a_row_has_the_same_bits_alone_and_among_others(product, n, k):
     for row, got in zip(x, full):
         bound = dot_error_bound(weight, row)
         assert np.all(np.abs(got.astype(np.float64) - weight.astype(np.float64) @ row.astype(np.float64)) <= bound)
+
+
+@pytest.mark.parametrize(("n", "k"), [(1024, 640), (1003, 640), (257, 2051), (640, 2048), (3, 5)])
+def test_the_invariant_blocks_give_a_row_its_bits_in_a_decode_step_and_in_a_prefill_chunk(n, k):
+    """What the temperature-0 layers run: a row alone (a decode step), among 2..8 (a batch)
+    and in a 256-row chunk at any position has the same bits, within the bound of the exact
+    product; weight row counts that are not a multiple of the tile (whose last tile moves
+    back) and fewer weight rows than a tile included."""
+    invariant = invariant_blocked_product()
+    assert invariant is not None, "numba is a dependency: the invariant blocks must pass their check"
+    rng = np.random.default_rng(n + 7 * k)
+    weight = rng.standard_normal((n, k)).astype(np.float32)
+    weight.flags.writeable = False
+    x = rng.standard_normal((256, k)).astype(np.float32)
+    full = invariant(x, weight)
+    exact = x.astype(np.float64) @ weight.T.astype(np.float64)
+    for row, got, e in zip(x, full, exact):
+        assert np.all(np.abs(got - e) <= dot_error_bound(weight, row))
+    for i in (0, 3, 4, 7, 8, 130, 255):
+        assert np.array_equal(invariant(x[i : i + 1], weight)[0], full[i]), i
+    for lo, hi in ((0, 2), (3, 7), (5, 13), (100, 256)):
+        assert np.array_equal(invariant(x[lo:hi], weight), full[lo:hi]), (lo, hi)
+
+
+def test_the_temperature_zero_layers_run_the_invariant_blocks(tmp_path):
+    """``with_fast_linears(all_rows=True)`` (what ``greedy_forward`` builds) sends every row
+    count of a layer through ``invariant_blocked_product``, not a row plan: a row's output
+    is the same alone and in a 300-row call."""
+    path = make_tiny_model_dir(
+        tmp_path / "wide", "llama", hidden_size=640, intermediate_size=2048, num_attention_heads=4,
+        num_key_value_heads=1, head_dim=256, num_hidden_layers=1,
+    )  # fmt: skip
+    model = load(path, progress=False).model
+    fast = with_fast_linears(model, all_rows=True)
+    assert isinstance(fast, ProjectedModel) and fast._all_rows
+    layers = [m for _, m in fast.body.named_modules() if isinstance(m, GemvLinear)]
+    assert layers and all(layer._gemm is invariant_blocked_product() and layer._plan is None for layer in layers)
+    rng = np.random.default_rng(23)
+    for layer in layers:
+        cols = layer.linear["weight"].shape[1]
+        x = mx.array(rng.standard_normal((300, cols)).astype(np.float32))
+        many = np.array(layer(x[None]))[0]
+        for i in (0, 5, 299):
+            assert np.array_equal(np.array(layer(x[i : i + 1][None]))[0, 0], many[i]), i
 
 
 def test_the_weight_is_used_in_place_and_bad_shapes_are_refused(product):

@@ -9,10 +9,11 @@ Gemma 3 at 38.5 ms through MLX and 19.2 ms through ``cblas_sgemv`` (load 1.1-1.3
 
 ``gemv_body`` builds a second module tree over the same arrays (nothing is copied but
 the small module objects), in which every plain fp32 ``nn.Linear`` without a bias is a
-``GemvLinear``: with ``all_rows`` (the shape-invariant kernels) every call through MLX's
-own matmul as ``kvshelf.model.row_plan`` lays it out (each row with its one-row product's
-bits), or, for a weight shape without a plan, every row to its own ``sgemv``
-(``kvshelf.model.sgemv.each_row``); otherwise 2..16 rows go to BLIS (where
+``GemvLinear``: with ``all_rows`` (the shape-invariant kernels) every call through
+``kvshelf.model.skinny.invariant_blocked_product`` (register blocks whose rows sum in one
+order), or, without numba, through MLX's own matmul as ``kvshelf.model.row_plan`` lays it
+out (each row with its one-row product's bits), or, for a weight shape without a plan,
+every row to its own ``sgemv`` (``kvshelf.model.sgemv.each_row``); otherwise 2..16 rows go to BLIS (where
 installed, and only with ``batches``: off by default, see ``kvshelf.model.few_rows``), one
 row to ``sgemv`` only with ``one_row`` (off by default: see ``ONE_ROW_SGEMV``), and anything
 else is the wrapped layer's own call, bit for bit. The model itself is not changed, so the plain model (what
@@ -46,7 +47,7 @@ from kvshelf.model.module_tree import with_children
 from kvshelf.model.native_decode import native_decoder
 from kvshelf.model.row_plan import RowPlan, measure
 from kvshelf.model.sgemv import Sgemv, each_row, system_sgemv
-from kvshelf.model.skinny import MAX_LAYER_ROWS, MIN_LAYER_BYTES, blocked_product
+from kvshelf.model.skinny import MAX_LAYER_ROWS, MIN_LAYER_BYTES, blocked_product, invariant_blocked_product
 from kvshelf.switches import ON, env_on
 
 # Whether a batch-1 call's layer projections go to sgemv too. Off: measured alone they
@@ -61,8 +62,10 @@ ONE_ROW_SGEMV = False
 # of 1..16 agents, a prefill chunk), runs so that a row's bits are those of that row alone,
 # where OpenBLAS's sgemm picks another kernel by shape (a row of a 16-, 32- or 48-row product
 # differs from the 1-row one in the last bits, and MLX's matmuls are OpenBLAS's): the layers'
-# through MLX's matmul laid out by ``kvshelf.model.row_plan`` (since 2026-12-03; prefill 25-27%
-# faster than before, ``benchmarks/invariant_profile.py``), the head through
+# through ``kvshelf.model.skinny.invariant_blocked_product`` (since 2026-12-05: a 1K prefill of
+# the embedded Gemma 3 about 35% faster than through the row plan; figures in the README),
+# without numba through MLX's matmul laid out by ``kvshelf.model.row_plan`` (since
+# 2026-12-03; prefill 25-27% faster than before, ``benchmarks/invariant_profile.py``), the head through
 # ``kvshelf.model.skinny`` (row-invariant by construction; without numba, one sgemv per row),
 # any layer shape without a plan as one sgemv per row (``kvshelf.model.sgemv.each_row``; checked at load: a row
 # of a product of up to 600 rows equals that row alone, bit for bit). Until 2026-12-02 these
@@ -94,8 +97,9 @@ class GemvLinear(nn.Module):
     (BLIS's skinny-matrix product, ``kvshelf.model.few_rows``), or, ``all_rows``, calls of
     any number of rows (the shape-invariant kernels: ``gemm`` is then ``each_row``'s).
 
-    With ``all_rows`` and a ``plan`` for its weight's shape (``kvshelf.model.row_plan``),
-    every call runs in MLX's graph instead, each row with the bits of MLX's one-row product.
+    With ``all_rows`` and a ``plan`` for its weight's shape (``kvshelf.model.row_plan``, built
+    only where ``gemm`` is ``each_row``'s), every call runs in MLX's graph instead, each row
+    with the bits of MLX's one-row product.
 
     The wrapped layer is a child, so its weight is this module's parameter too (shared,
     not copied): weights loaded into the model later are the ones used."""
@@ -239,8 +243,9 @@ def with_fast_linears(
     """``with_fast_head(model)`` whose body also runs its batch-1 projections through sgemv
     (``one_row``) and a decode batch's through BLIS (``batches``; None: ``few_rows``'s default),
     or (``all_rows``, None: ``SHAPE_INVARIANT``) every row of every projection with bits
-    independent of the others: through ``kvshelf.model.row_plan`` where its weight's shape
-    has a plan (and ``plans``), else as its own sgemv (``kvshelf.model.sgemv.each_row``).
+    independent of the others: through ``kvshelf.model.skinny.invariant_blocked_product``
+    (with ``skinny`` and numba), else through ``kvshelf.model.row_plan`` where its weight's
+    shape has a plan (and ``plans``), else as its own sgemv (``kvshelf.model.sgemv.each_row``).
     ``attention`` (None: ``SHAPE_INVARIANT``): every attention module of a known shape runs
     ``kvshelf.model.attention.invariant_attention`` (rows independent of the call's shape,
     each KV head read once for its query heads); otherwise, ``grouped``, decode steps' attention
@@ -263,8 +268,11 @@ def with_fast_linears(
     gemm: Gemm | None = None
     all_rows = (SHAPE_INVARIANT if all_rows is None else all_rows) and _rows_invariant()
     skinny_rows = None if all_rows or batches or not skinny else blocked_product()
+    invariant_rows = invariant_blocked_product() if all_rows and skinny else None
     if all_rows:
-        gemm = partial(each_row, sgemv)
+        # row-invariant register blocks where numba is there (no plan needed), else a plan or sgemv rows
+        gemm = invariant_rows if invariant_rows is not None else partial(each_row, sgemv)
+        plans = plans and invariant_rows is None
     elif skinny_rows is not None:  # a decode step's 1..MAX_LAYER_ROWS rows, each weight read once
         gemm = skinny_rows
     elif batches_through_blis() if batches is None else batches:

@@ -73,7 +73,8 @@ class LoadedModel:
     def greedy_forward(self) -> nn.Module | ProjectedModel:
         """What to call for a request at temperature 0 (or a prefill only): ``forward`` with
         the shape-invariant kernels (each row of every projection with its bits alone,
-        through ``kvshelf.model.row_plan`` or its own sgemv; every attention
+        through ``kvshelf.model.skinny.invariant_blocked_product``, or without numba
+        ``kvshelf.model.row_plan`` or its own sgemv; every attention
         ``kvshelf.model.attention``), so its reply does not depend on the chunking, the
         batch or the path its cache took (issue 21). ``forward`` itself where that is
         invariant already (``KVSHELF_SHAPE_INVARIANT=1``) or where it is turned off (``=0``).

@@ -26,6 +26,11 @@ shape where that does not pay (a tiny test model's, which OpenBLAS runs otherwis
 no plan, and its layer keeps ``each_row``. A planned row's bits are those of MLX's one-row
 product, which is what a decode step of up to ``small`` agents computes anyway, in the
 graph, without handing each projection to numpy (a sync per call).
+
+Since 2026-12-05 the temperature-0 layers run ``kvshelf.model.skinny.invariant_blocked_product``
+where numba is there (row-invariant by construction, no half-empty product, as fast as one
+sgemm for a prefill chunk): plans are built only without it (numba missing, or
+``with_fast_linears(skinny=False)``).
 """
 
 from __future__ import annotations

@@ -18,9 +18,12 @@ process before anything uses them):
   fastmath lets LLVM choose the lanes once, at compile time), so its bits depend on its
   own row and weight row only, never on how many rows came with it or where it lay. Not
   the bits of OpenBLAS's sgemm or sgemv (another summation order). The temperature-0
-  kernels' head rows run it; their layer projections keep the bits of OpenBLAS's one-row
-  product (``kvshelf.model.row_plan``), which a prefill chunk's rows share, so that a
-  token's K/V do not depend on whether it was prefilled or decoded.
+  kernels' head rows run it.
+- ``invariant_blocked_product``, row-invariant too, what the temperature-0 kernels' layer
+  projections run, a prefill chunk's rows and a decode step's alike (so a token's K/V do
+  not depend on whether it was prefilled or decoded): every row count in register blocks
+  of four rows, whose loop sums an element in one order wherever its row lies, at the
+  speed of MLX's own sgemm for a prefill chunk.
 - ``blocked_product``, what the default kernels' decode steps run (layers and head): a
   row alone through the same loop, 2 rows by twos, 3-4 by fours, more by eights, each
   weight element loaded once into registers and multiplied into that many sums. The
@@ -110,46 +113,46 @@ WEIGHT_ROWS = 4
 @cache
 def _block_loop(block: int, tile: int) -> Any:
     """The loop that takes ``block`` rows at once (``x``'s row count a multiple of it) against
-    ``tile`` weight rows: each element loaded once is multiplied into the sums it meets,
-    which LLVM keeps in registers (both counts are compile-time constants, so the inner
-    loops unroll). Weight rows past the last whole tile run one at a time. Built once per
-    (block, tile)."""
+    ``tile`` weight rows (at most the weight's): each element loaded once is multiplied into
+    the sums it meets, which LLVM keeps in registers (both counts are compile-time
+    constants, so the inner loops unroll). The last tile, short of weight rows, moves back
+    to end at the last weight row and writes only the sums not written before, so every
+    output element comes from the one loop body: blocks of 4 and 8 rows then sum in the same
+    order (``invariant_blocked_product``). Built once per (block, tile)."""
     from numba import njit, prange
 
     @njit(_signatures(), parallel=True, fastmath=True, cache=True, boundscheck=False)
     def rows_by_weight_in_blocks(x: np.ndarray, weight: np.ndarray, out: np.ndarray) -> None:
         rows, k = x.shape
         n = weight.shape[0]
-        tiles = n // tile
-        for jt in prange(tiles + n - tiles * tile):
-            j = jt * tile if jt < tiles else tiles * tile + (jt - tiles)
-            width = tile if jt < tiles else 1
+        for jt in prange(-(-n // tile)):
+            first = jt * tile
+            j = min(first, n - tile)
             for b in range(0, rows, block):
                 sums = np.zeros((tile, block), dtype=np.float32)
-                if width == tile:
-                    for i in range(k):
-                        for t in range(tile):
-                            w = weight[j + t, i]
-                            for r in range(block):
-                                sums[t, r] += x[b + r, i] * w
-                else:
-                    for i in range(k):
-                        w = weight[j, i]
+                for i in range(k):
+                    for t in range(tile):
+                        w = weight[j + t, i]
                         for r in range(block):
-                            sums[0, r] += x[b + r, i] * w
-                for t in range(width):
+                            sums[t, r] += x[b + r, i] * w
+                for t in range(first - j, tile):
                     for r in range(block):
                         out[b + r, j + t] = sums[t, r]
 
     return rows_by_weight_in_blocks
 
 
-def _blocks(weight_rows: int = WEIGHT_ROWS) -> dict[int, Any]:
-    """Loops by twos, fours and eights (the eights against ``weight_rows`` weight rows). The
-    row-invariant loop loads each weight element again for every row; these load it once
-    for the block, so a step of several rows costs closer to its weight's bytes than to its
-    rows' loads (measured in ``blocked_product``)."""
-    return {2: _block_loop(2, 1), 4: _block_loop(4, 1), 8: _block_loop(8, weight_rows)}
+def _blocks_tile(block: int, weight_rows: int = WEIGHT_ROWS) -> int:
+    """The weight rows a block of ``block`` x rows takes: ``weight_rows`` for eights, one for
+    twos and fours. The row-invariant loop loads each weight element again for every row;
+    the blocks load it once for the block, so a step of several rows costs closer to its
+    weight's bytes than to its rows' loads (measured in ``blocked_product``)."""
+    return weight_rows if block == 8 else 1
+
+
+def _loop_for(block: int, tile: int, weight: np.ndarray) -> Any:
+    """``_block_loop(block, tile)``, the tile cut to the weight's rows where it has fewer."""
+    return _block_loop(block, min(tile, weight.shape[0]))
 
 
 def _checked(x: np.ndarray, weight: np.ndarray) -> np.ndarray:
@@ -189,8 +192,49 @@ def _blocked(x: np.ndarray, weight: np.ndarray, weight_rows: int = WEIGHT_ROWS) 
     if padded != rows:
         x = np.concatenate([x, np.zeros((padded - rows, x.shape[1]), dtype=np.float32)])
     out = np.empty((padded, weight.shape[0]), dtype=np.float32)
-    _blocks(weight_rows)[block](x, weight, out)
+    _loop_for(block, _blocks_tile(block, weight_rows), weight)(x, weight, out)
     return out[:rows]
+
+
+# The block of x rows the row-invariant blocked product takes (against WEIGHT_ROWS weight
+# rows). A 256-row prefill chunk of the embedded Gemma 3's 640x1024, 2048x640 and 640x2048
+# projections (random weights, one process, 2-core EPYC; ms): 4 rows 1.71 / 3.46 / 3.57, 8
+# rows 2.26 / 4.63 / 5.58 (its sums spill from the registers and the 2 MB of x rows of the
+# last one leave the L2), 6 rows 1.77 / 3.44 / 3.18; MLX's own 256-row sgemm 1.68 / 3.33 /
+# 3.57. Four is also the fewest rows whose loop sums in the same order as the larger
+# blocks (blocks of one or two rows get other lanes from LLVM), so a decode row pays for
+# three zero rows, which cost loads, not memory.
+INVARIANT_BLOCK = 4
+
+
+def _invariant_blocked(x: np.ndarray, weight: np.ndarray) -> np.ndarray:
+    """``x @ weight.T`` with each row's bits its own, in register blocks of
+    ``INVARIANT_BLOCK`` rows against ``WEIGHT_ROWS`` weight rows (zero rows added up to the
+    block's multiple), so a row computed alone, in a decode batch or in a 256-row prefill
+    chunk gets the same bits."""
+    x = _checked(x, weight)
+    rows = x.shape[0]
+    padded = max(1, -(-rows // INVARIANT_BLOCK)) * INVARIANT_BLOCK
+    if padded != rows:
+        x = np.concatenate([x, np.zeros((padded - rows, x.shape[1]), dtype=np.float32)])
+    out = np.empty((padded, weight.shape[0]), dtype=np.float32)
+    _loop_for(INVARIANT_BLOCK, WEIGHT_ROWS, weight)(x, weight, out)
+    return out[:rows]
+
+
+@cache
+def invariant_blocked_product() -> Gemm | None:
+    """``x @ weight.T`` for any number of rows, each row's bits its own (a decode row has the
+    bits the same token gets in a prefill chunk), at a blocked product's speed: what the
+    temperature-0 kernels' layer projections run. A 256-row prefill chunk as fast as MLX's
+    own sgemm (``INVARIANT_BLOCK``), so about twice as fast as ``kvshelf.model.row_plan``'s
+    half-empty one (the embedded Gemma 3's 640x1024 and 2048x640 projections: 3.4 / 6.7 ms
+    that way), and a decode row reads each weight once without a sgemm's packing. Not the
+    bits of ``skinny_product`` (another loop) or of OpenBLAS. None where ``skinny_product``
+    is, or if its check fails."""
+    if skinny_product() is None:
+        return None
+    return _invariant_blocked if _invariant_and_exact(_invariant_blocked, rows=40) else None
 
 
 def blocked_by_weight_rows(weight_rows: int) -> Gemm:
@@ -200,8 +244,8 @@ def blocked_by_weight_rows(weight_rows: int) -> Gemm:
     return lambda x, weight: _blocked(x, weight, weight_rows)
 
 
-def _invariant_and_exact(product: Gemm) -> bool:
-    """Every row of a product of 1..MAX_FEW_ROWS+1 rows has the bits of that row alone, and every
+def _invariant_and_exact(product: Gemm, rows: int = MAX_FEW_ROWS + 1) -> bool:
+    """Every row of a product of 1..``rows`` rows has the bits of that row alone, and every
     element lies within the fp32 dot-product error bound of a float64 product (weight row
     counts that are not multiples of the threads' split, ``k`` not a multiple of the lanes,
     read-only and writable weights)."""
@@ -209,12 +253,12 @@ def _invariant_and_exact(product: Gemm) -> bool:
     for n, k, read_only in ((1003, 640, True), (257, 2051, False), (64, 9, False)):
         weight = rng.standard_normal((n, k)).astype(np.float32)
         weight.flags.writeable = not read_only  # both kinds of view: the head's is read-only
-        x = rng.standard_normal((MAX_FEW_ROWS + 1, k)).astype(np.float32)
+        x = rng.standard_normal((rows, k)).astype(np.float32)
         full = product(x, weight)
         exact = x.astype(np.float64) @ weight.T.astype(np.float64)
         if not all(np.all(np.abs(f - e) <= dot_error_bound(weight, r)) for f, e, r in zip(full, exact, x)):
             return False
-        for m in range(1, MAX_FEW_ROWS + 2):
+        for m in range(1, rows + 1):
             if not np.array_equal(product(x[-m:], weight), full[-m:]):
                 return False
         if not np.array_equal(product(x[5:6], weight), full[5:6]):
@@ -279,7 +323,7 @@ def _exact(product: Gemm) -> bool:
 @cache
 def blocked_product() -> Gemm | None:
     """``x @ weight.T`` for a decode step's rows, fastest: one row through the row-invariant
-    loop, 2 rows by twos, 3-4 by fours, 5 and more by eights (``_blocks``). A row's bits then
+    loop, 2 rows by twos, 3-4 by fours, 5 and more by eights (``_blocks_tile``). A row's bits then
     depend on the block its product ran in (the loops sum in other orders), as a row of
     MLX's matmul depends on its row count; each within the same fp32 bound. Where a row's
     bits must be its own (the temperature-0 kernels' head), ``skinny_product``.
