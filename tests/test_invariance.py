@@ -37,6 +37,7 @@ from kvshelf.model.fast_exp import exp
 from kvshelf.model.gemv import with_fast_linears
 from kvshelf.model.head import ProjectedModel
 from kvshelf.model.loader import load
+from kvshelf.model.ordered_attention import ordered_attention
 from kvshelf.model.sgemv import system_sgemv
 from tests.support.tiny import make_tiny_model_dir
 
@@ -218,34 +219,42 @@ def _causal(q0: int, q1: int, k0: int, k1: int, window: int | None = None) -> mx
     return (k <= q) & (k > q - window) if window else k <= q
 
 
+def _ordered(q: mx.array, k: mx.array, v: mx.array, scale: float, mask: object, origins: list[int]) -> mx.array:
+    """``ordered_attention`` called as ``invariant_attention`` (it needs no origins)."""
+    return ordered_attention(q, k, v, scale, mask)
+
+
+@pytest.mark.parametrize("attend", [invariant_attention, _ordered], ids=["mlx-blocks", "ordered-loop"])
 @pytest.mark.parametrize("heads,kv,d", [(4, 1, 256), (9, 3, 64)])  # Gemma 3 270M's and the 30-layer llama's
-def test_attention_rows_do_not_depend_on_the_call(heads, kv, d):
+def test_attention_rows_do_not_depend_on_the_call(heads, kv, d, attend):
     """A row's attention output is the same bits alone (decode), inside a chunk of any size,
     from a buffer that starts at a later block (a window that moved on), and in a batch with
-    another agent left-padded to its length; grouped heads equal per-head attention. MLX's
-    own attention (the counter-example) gives rows that differ in the last bits."""
+    another agent left-padded to its length; grouped heads equal per-head attention. Both
+    row-invariant kernels: MLX's fixed-shape products and the compiled loop that sums keys
+    in position order. MLX's own attention (the counter-example) gives rows that differ in
+    the last bits."""
     n, window, scale = 700, 300, d**-0.5
     q, k, v = _qkv(heads + d, heads, kv, n, d)
-    one_call = invariant_attention(q, k, v, scale, "causal", [0])
+    one_call = attend(q, k, v, scale, "causal", [0])
     mlx = mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask="causal")
     assert mx.allclose(one_call, mlx, rtol=1e-4, atol=1e-5).item()  # the same function, to fp32 rounding
     for p in (0, 255, 256, 401, n - 1):  # decode: the row alone over the keys up to it
-        alone = invariant_attention(q[:, :, p : p + 1], k[:, :, : p + 1], v[:, :, : p + 1], scale, None, [0])
+        alone = attend(q[:, :, p : p + 1], k[:, :, : p + 1], v[:, :, : p + 1], scale, None, [0])
         assert mx.array_equal(alone[:, :, 0], one_call[:, :, p]).item(), p
     chunks = [
-        invariant_attention(
+        attend(
             q[:, :, a : a + 100], k[:, :, : a + 100], v[:, :, : a + 100], scale, _causal(a, a + 100, 0, a + 100), [0]
         )
         for a in range(0, n, 100)
     ]
     assert mx.array_equal(mx.concatenate(chunks, axis=2), one_call).item()
     repeat = heads // kv  # each query head with its own copy of its KV head: per-head attention
-    per_head = invariant_attention(q, mx.repeat(k, repeat, axis=1), mx.repeat(v, repeat, axis=1), scale, "causal", [0])
+    per_head = attend(q, mx.repeat(k, repeat, axis=1), mx.repeat(v, repeat, axis=1), scale, "causal", [0])
     assert mx.array_equal(per_head, one_call).item()
     # A sliding window: the whole buffer from 0, against a buffer from block 256 (start_after).
-    windowed = invariant_attention(q, k, v, scale, _causal(0, n, 0, n, window), [0])
+    windowed = attend(q, k, v, scale, _causal(0, n, 0, n, window), [0])
     p = n - 1
-    late = invariant_attention(q[:, :, p:], k[:, :, 256:], v[:, :, 256:], scale, _causal(p, n, 256, n, window), [256])
+    late = attend(q[:, :, p:], k[:, :, 256:], v[:, :, 256:], scale, _causal(p, n, 256, n, window), [256])
     assert mx.array_equal(late[:, :, 0], windowed[:, :, p]).item()
     # A batch: this agent at position 401 beside one at 599, left-padded to the same width.
     p, width = 401, 600
@@ -255,10 +264,15 @@ def test_attention_rows_do_not_depend_on_the_call(heads, kv, d):
     col = mx.arange(width)
     mask = mx.stack([col >= 0, col >= width - p - 1])[:, None, None, :]
     both = mx.concatenate([q[:, :, width - 1 : width], q[:, :, p : p + 1]])
-    batched = invariant_attention(both, keys, values, scale, mask, [0, p + 1 - width])
+    batched = attend(both, keys, values, scale, mask, [0, p + 1 - width])
     assert mx.array_equal(batched[1:, :, 0], one_call[:, :, p]).item()
     assert mx.array_equal(batched[:1, :, 0], one_call[:, :, width - 1]).item()
-    assert tile_rows() >= 2  # the fixed-shape products hold a tile of rows in any order
+
+
+def test_the_fixed_shape_products_hold_a_tile_of_rows_in_any_order():
+    """What MLX's blocked kernel rests on: OpenBLAS gives a row of a small fixed-shape
+    product the same bits in any place of its tile."""
+    assert tile_rows() >= 2
 
 
 def test_a_call_too_large_for_mlx_matmul_runs_in_pieces_with_the_same_bits():

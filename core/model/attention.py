@@ -56,6 +56,7 @@ from mlx_lm.models.cache import KVCache
 
 from kvshelf.model.fast_exp import exp
 from kvshelf.model.module_tree import with_children
+from kvshelf.model.ordered_attention import ordered_attention, ordered_attention_available
 from kvshelf.model.spec import BLOCK_TOKENS
 
 # Row tiles tried, largest first: a product of this many query rows by one key block.
@@ -295,13 +296,17 @@ def _dense(x: Any, cache: Any, dtype: mx.Dtype) -> mx.array:
 
 
 class InvariantAttention(nn.Module):
-    """An mlx-lm attention module of a known shape whose attention is ``invariant_attention``
-    (on kvshelf's caches and mlx-lm's ``KVCache``; any other cache runs the module's own)."""
+    """An mlx-lm attention module of a known shape whose attention is row-invariant on
+    kvshelf's caches and mlx-lm's ``KVCache`` (any other cache runs the module's own):
+    ``kvshelf.model.ordered_attention`` where numba is, else ``invariant_attention``."""
 
     def __init__(self, attention: nn.Module, head_norms: bool):
         super().__init__()
         self.attention = attention
         self._head_norms = head_norms
+        # One attention for every call of this module (and so of the model): a row's bits
+        # must not depend on which of the two computed it.
+        self._ordered = ordered_attention_available()
 
     def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
         a = self.attention
@@ -314,6 +319,8 @@ class InvariantAttention(nn.Module):
         origins = key_origins(cache, keys.shape[2], length)
         if origins is None:
             out = scaled_dot_product_attention(q, keys, values, cache=None, scale=a.scale, mask=mask)
+        elif self._ordered:
+            out = ordered_attention(q, keys, values, a.scale, mask)
         else:
             out = invariant_attention(q, keys, values, a.scale, mask, origins)
         return a.o_proj(out.transpose(0, 2, 1, 3).reshape(b, length, -1))

@@ -1,0 +1,67 @@
+"""The compiled row-invariant attention (kvshelf.model.ordered_attention): what the
+temperature-0 layers run, and its edges. Its row invariance, beside MLX's blocked kernel,
+is ``tests/test_invariance.py::test_attention_rows_do_not_depend_on_the_call``."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.models.cache import KVCache
+
+from kvshelf.model.attention import InvariantAttention
+from kvshelf.model.gemv import with_fast_linears
+from kvshelf.model.head import ProjectedModel
+from kvshelf.model.loader import load
+from kvshelf.model.ordered_attention import ordered_attention, ordered_attention_available
+from tests.support.tiny import make_tiny_model_dir
+
+
+def _qkv(seed: int, heads: int, kv: int, length: int, d: int) -> tuple[mx.array, mx.array, mx.array]:
+    rng = np.random.default_rng(seed)
+    q, k, v = (mx.array(rng.standard_normal((1, h, length, d)).astype(np.float32)) for h in (heads, kv, kv))
+    return q, k, v
+
+
+def test_the_temperature_zero_layers_run_the_ordered_loop(tmp_path):
+    """``greedy_forward``'s body (``with_fast_linears(all_rows=True)``) wraps every attention
+    in ``InvariantAttention`` on the compiled loop, and the model's prefill then decode on
+    mlx-lm's cache give the last position the bits a one-call prefill gives it."""
+    assert ordered_attention_available()
+    path = make_tiny_model_dir(tmp_path / "m", "llama", num_hidden_layers=2)
+    model = load(path, progress=False).model
+    fast = with_fast_linears(model, all_rows=True)
+    assert isinstance(fast, ProjectedModel)
+    wrapped = [m for _, m in fast.body.named_modules() if isinstance(m, InvariantAttention)]
+    assert len(wrapped) == 2 and all(m._ordered for m in wrapped)
+    tokens = mx.array([[5, 9, 2, 31, 7, 7, 40, 3, 12, 1]])
+    whole = [KVCache() for _ in range(2)]
+    one_call = fast(tokens, cache=whole)[0, -1]
+    parts = [KVCache() for _ in range(2)]
+    fast(tokens[:, :-1], cache=parts)
+    decoded = fast(tokens[:, -1:], cache=parts)[0, -1]
+    assert mx.array_equal(decoded, one_call).item()
+
+
+def test_a_row_that_sees_no_key_gives_zeros_and_the_others_their_own_bits():
+    """A padded query row (its mask all False) gets zeros, not 0 / 0, and does not change
+    its neighbours."""
+    q, k, v = _qkv(3, 4, 2, 6, 32)
+    seen = mx.array([[True] * 6, [False] * 6] * 3)[None, None]  # rows 1, 3, 5 see nothing
+    out = ordered_attention(q, k, v, 0.2, seen)
+    assert not mx.any(mx.isnan(out)).item()
+    assert mx.array_equal(out[:, :, 1::2], mx.zeros_like(out[:, :, 1::2])).item()
+    alone = ordered_attention(q[:, :, :1], k, v, 0.2, None)
+    assert mx.array_equal(alone[:, :, 0], out[:, :, 0]).item()
+    want = mx.fast.scaled_dot_product_attention(q[:, :, :1], k, v, scale=0.2)
+    assert mx.allclose(alone, want, rtol=1e-5, atol=1e-6).item()
+
+
+def test_bad_masks_and_shapes_are_refused():
+    q, k, v = _qkv(4, 4, 2, 5, 16)
+    with pytest.raises(TypeError, match="boolean"):
+        ordered_attention(q, k, v, 0.25, mx.zeros((5, 5)))
+    with pytest.raises(ValueError, match="one mask for all heads"):
+        ordered_attention(q, k, v, 0.25, mx.ones((1, 4, 5, 5), dtype=mx.bool_))
+    with pytest.raises(ValueError, match="attention shapes"):
+        ordered_attention(q[:, :3], k, v, 0.25, None)  # 3 query heads over 2 KV heads
