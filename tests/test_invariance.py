@@ -39,6 +39,7 @@ from kvshelf.model.head import ProjectedModel
 from kvshelf.model.loader import load
 from kvshelf.model.ordered_attention import ordered_attention
 from kvshelf.model.sgemv import system_sgemv
+from tests.support.qkv import random_qkv
 from tests.support.tiny import make_tiny_model_dir
 
 KINDS = ["llama", "gemma3_text"]
@@ -208,12 +209,6 @@ def test_a_cut_inside_a_quantized_key_block_recomputes_from_the_block_start(dirs
 
 
 # -- the row-invariant attention (kvshelf.model.attention) ---------------------------------
-def _qkv(seed: int, heads: int, kv: int, length: int, d: int) -> tuple[mx.array, mx.array, mx.array]:
-    rng = np.random.default_rng(seed)
-    q, k, v = (mx.array(rng.standard_normal((1, h, length, d)).astype(np.float32)) for h in (heads, kv, kv))
-    return q, k, v
-
-
 def _causal(q0: int, q1: int, k0: int, k1: int, window: int | None = None) -> mx.array:
     q, k = mx.arange(q0, q1)[:, None], mx.arange(k0, k1)[None]
     return (k <= q) & (k > q - window) if window else k <= q
@@ -234,7 +229,7 @@ def test_attention_rows_do_not_depend_on_the_call(heads, kv, d, attend):
     in position order. MLX's own attention (the counter-example) gives rows that differ in
     the last bits."""
     n, window, scale = 700, 300, d**-0.5
-    q, k, v = _qkv(heads + d, heads, kv, n, d)
+    q, k, v = random_qkv(heads + d, heads, kv, n, d)
     one_call = attend(q, k, v, scale, "causal", [0])
     mlx = mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask="causal")
     assert mx.allclose(one_call, mlx, rtol=1e-4, atol=1e-5).item()  # the same function, to fp32 rounding
@@ -284,7 +279,7 @@ def test_a_call_too_large_for_mlx_matmul_runs_in_pieces_with_the_same_bits():
     small enough to cut a 600-position call and a 2-member batch."""
     assert positions_per_call(1, 1, 4, 5888, 256, 256) < 2905  # that prefill's sliding layer: cut now
     n, heads, kv, d, scale = 600, 4, 1, 64, 0.125
-    q, k, v = _qkv(31, heads, kv, n, d)
+    q, k, v = random_qkv(31, heads, kv, n, d)
     whole = invariant_attention(q, k, v, scale, "causal", [0])
     width = 768  # 600 keys from block 0, in whole blocks
     limit = 48 * width * d  # 48 tiles of 8 rows of 4 heads: 96 positions a call
@@ -311,7 +306,7 @@ def test_a_call_too_large_for_mlx_matmul_runs_in_pieces_with_the_same_bits():
 def test_mlx_attention_rows_depend_on_the_key_count():
     """Why the kernel exists: MLX's attention gives a decode row other bits than the same row
     inside a prefill call (its sums run over however many columns the call has)."""
-    q, k, v = _qkv(7, 4, 1, 700, 256)
+    q, k, v = random_qkv(7, 4, 1, 700, 256)
     whole = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.0625, mask="causal")
     rows = [
         mx.fast.scaled_dot_product_attention(q[:, :, p : p + 1], k[:, :, : p + 1], v[:, :, : p + 1], scale=0.0625)
@@ -379,12 +374,13 @@ def _blocked_reference(queries, keys, values, scale, mask, origins):
     """The row-invariant attention as main 39ecc3c computed it (8-row tiles by each 256-key
     block, both exponentials masked; its exp now the kernel's, ``kvshelf.model.fast_exp``):
     the oracle the faster kernel must equal bit for bit."""
-    from kvshelf.model.attention import _aligned, _full_mask
+    from kvshelf.model.attention import _aligned
+    from kvshelf.model.attention_mask import full_mask
 
     b, heads, length, d = queries.shape
     kv, t, dv = keys.shape[1], keys.shape[2], values.shape[3]
     group, tile, block = heads // kv, tile_rows(), 256
-    full = _full_mask(mask, b, length, t)
+    full = full_mask(mask, b, length, t)
     origins = origins * b if len(origins) == 1 else origins
     lead = [o % block for o in origins]
     width = -(-(max(lead) + t) // block) * block
@@ -418,7 +414,7 @@ def test_attention_is_the_blocked_tiles_bit_for_bit(heads, kv, d):
     in chunks, decode rows at and across block edges, a window that moved on, a batch with
     other origins, and a row that sees no key (NaN in both, at the same places)."""
     n, scale = 1100, d**-0.5
-    q, k, v = _qkv(heads * d + 1, heads, kv, n, d)
+    q, k, v = random_qkv(heads * d + 1, heads, kv, n, d)
 
     def same(*args) -> None:
         got, want = invariant_attention(*args), _blocked_reference(*args)

@@ -5,7 +5,6 @@ is ``tests/test_invariance.py::test_attention_rows_do_not_depend_on_the_call``."
 from __future__ import annotations
 
 import mlx.core as mx
-import numpy as np
 import pytest
 from mlx_lm.models.cache import KVCache
 
@@ -14,13 +13,8 @@ from kvshelf.model.gemv import with_fast_linears
 from kvshelf.model.head import ProjectedModel
 from kvshelf.model.loader import load
 from kvshelf.model.ordered_attention import ordered_attention, ordered_attention_available
+from tests.support.qkv import random_qkv
 from tests.support.tiny import make_tiny_model_dir
-
-
-def _qkv(seed: int, heads: int, kv: int, length: int, d: int) -> tuple[mx.array, mx.array, mx.array]:
-    rng = np.random.default_rng(seed)
-    q, k, v = (mx.array(rng.standard_normal((1, h, length, d)).astype(np.float32)) for h in (heads, kv, kv))
-    return q, k, v
 
 
 def test_the_temperature_zero_layers_run_the_ordered_loop(tmp_path):
@@ -46,7 +40,7 @@ def test_the_temperature_zero_layers_run_the_ordered_loop(tmp_path):
 def test_a_row_that_sees_no_key_gives_zeros_and_the_others_their_own_bits():
     """A padded query row (its mask all False) gets zeros, not 0 / 0, and does not change
     its neighbours."""
-    q, k, v = _qkv(3, 4, 2, 6, 32)
+    q, k, v = random_qkv(3, 4, 2, 6, 32)
     seen = mx.array([[True] * 6, [False] * 6] * 3)[None, None]  # rows 1, 3, 5 see nothing
     out = ordered_attention(q, k, v, 0.2, seen)
     assert not mx.any(mx.isnan(out)).item()
@@ -58,7 +52,7 @@ def test_a_row_that_sees_no_key_gives_zeros_and_the_others_their_own_bits():
 
 
 def test_bad_masks_and_shapes_are_refused():
-    q, k, v = _qkv(4, 4, 2, 5, 16)
+    q, k, v = random_qkv(4, 4, 2, 5, 16)
     with pytest.raises(TypeError, match="boolean"):
         ordered_attention(q, k, v, 0.25, mx.zeros((5, 5)))
     with pytest.raises(ValueError, match="one mask for all heads"):

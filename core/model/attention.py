@@ -54,6 +54,7 @@ import mlx.nn as nn
 from mlx_lm.models.base import scaled_dot_product_attention
 from mlx_lm.models.cache import KVCache
 
+from kvshelf.model.attention_mask import full_mask
 from kvshelf.model.fast_exp import exp
 from kvshelf.model.module_tree import with_children
 from kvshelf.model.ordered_attention import ordered_attention, ordered_attention_available
@@ -141,22 +142,6 @@ def _scores(q: mx.array, keys: mx.array, blocks: int) -> mx.array:
     return _blocked_scores(q, keys, blocks)
 
 
-def _full_mask(mask: Any, batch: int, length: int, keys: int) -> mx.array:
-    """The mask as booleans of shape (batch, 1, length, keys): True where a query sees a key.
-
-    ``"causal"``: the queries are the last ``length`` key positions (as mlx-lm means it)."""
-    if mask is None:
-        return mx.ones((batch, 1, length, keys), dtype=mx.bool_)
-    if isinstance(mask, str):
-        q = mx.arange(keys - length, keys)[:, None]
-        mask = q >= mx.arange(keys)[None]
-    if mask.dtype != mx.bool_:
-        raise TypeError("invariant attention takes boolean masks")
-    while mask.ndim < 4:
-        mask = mask[None]
-    return mx.broadcast_to(mask, (batch, 1, length, keys))
-
-
 def _aligned(x: mx.array, lead: list[int], width: int, axis: int = 2) -> mx.array:
     """Member ``b``'s columns (``axis``) shifted right by ``lead[b]`` zero (False) columns,
     ``width`` in all."""
@@ -213,7 +198,7 @@ def invariant_attention(
     row is the same bits in any piece, so the pieces are the whole call's rows."""
     b, heads, length, d = queries.shape
     kv, t, dv = keys.shape[1], keys.shape[2], values.shape[3]
-    full = _full_mask(mask, b, length, t)
+    full = full_mask(mask, b, length, t)
     origins = origins * b if len(origins) == 1 else origins
     step = positions_per_call(b, kv, heads // kv, _width(origins, t), d, dv, limit)
     if step >= length:

@@ -36,6 +36,8 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
+from kvshelf.model.arrays import buffer_view
+from kvshelf.model.attention_mask import full_mask
 from kvshelf.switches import env_on
 
 
@@ -102,26 +104,13 @@ def ordered_attention_available() -> bool:
 
 
 def _seen(mask: Any, batch: int, length: int, keys: int) -> np.ndarray:
-    """The mask as (batch, length, keys) bytes, 1 where a query sees a key; ``"causal"``:
-    the queries are the last ``length`` key positions (as mlx-lm means it)."""
-    if mask is None:
-        return np.ones((batch, length, keys), dtype=np.uint8)
-    if isinstance(mask, str):
-        causal = np.arange(keys)[None] <= np.arange(keys - length, keys)[:, None]
-        return np.ascontiguousarray(np.broadcast_to(causal, (batch, length, keys)), dtype=np.uint8)
-    if mask.dtype != mx.bool_:
-        raise TypeError("ordered attention takes boolean masks")
-    while mask.ndim < 4:
-        mask = mask[None]
-    if mask.shape[1] != 1:
-        raise ValueError(f"ordered attention takes one mask for all heads, not {mask.shape}")
-    full = np.array(mx.broadcast_to(mask, (batch, 1, length, keys)))[:, 0]
-    return np.ascontiguousarray(full, dtype=np.uint8)
+    """The mask as (batch, length, keys) bytes, 1 where a query sees a key."""
+    return np.ascontiguousarray(buffer_view(full_mask(mask, batch, length, keys))[:, 0], dtype=np.uint8)
 
 
 def _rows(x: mx.array) -> np.ndarray:
     """``x`` as a C-contiguous fp32 numpy array (a copy where MLX's layout is another)."""
-    return np.ascontiguousarray(np.array(x.astype(mx.float32), copy=False))
+    return np.ascontiguousarray(buffer_view(x.astype(mx.float32)))
 
 
 def ordered_attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Any) -> mx.array:
