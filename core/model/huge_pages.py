@@ -78,17 +78,19 @@ def _collapse_stretches(stretches: list[tuple[int, int]], keep: object = None) -
 
 def huge_page_bytes(arrays: list[mx.array]) -> int:
     """Bytes in huge pages of the mappings that hold these arrays (/proc/self/smaps; 0 off
-    Linux). Linux merges adjacent anonymous mappings, so a mapping may hold other arrays too."""
+    Linux). Linux merges adjacent anonymous mappings, so a mapping may hold other arrays too.
+    Every mapping a buffer overlaps counts, not only the one it starts in: a buffer may
+    begin at the end of the brk heap (never in huge pages) and go on in the next mapping."""
     smaps = Path("/proc/self/smaps")
     if not smaps.exists():
         return 0
-    starts = [buffer_view(a).ctypes.data for a in arrays]
+    spans = [(buffer_view(a).ctypes.data, a.nbytes) for a in arrays]
     total, inside = 0, False
     for line in smaps.read_text().splitlines():
         head = line.split()[0]
         if "-" in head and ":" not in head:  # a mapping's address range opens its entry
             lo, hi = (int(x, 16) for x in head.split("-"))
-            inside = any(lo <= s < hi for s in starts)
+            inside = any(lo < s + n and s < hi for s, n in spans)
         elif inside and line.startswith("AnonHugePages:"):
             total += int(line.split()[1]) * 1024
     return total
