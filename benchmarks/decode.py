@@ -21,6 +21,8 @@ and side by side, for each model and context length:
   ``kvshelf.model.skinny``'s few-row products (MLX's matmuls, the head one sgemv per row),
   and (``--paths no-blocks``) the scheduler's path with those products row-invariant
   (``skinny_product``) instead of in register blocks (``blocked_product``), and
+  (``--paths no-prefetch``) with those blocks not asking for their weight ahead
+  (``KVSHELF_NO_PREFETCH``, as before ``skinny.PREFETCH_ROWS``), and
   (``--paths no-native``) the scheduler's path with its layers through MLX's graph (the
   module path) instead of ``kvshelf.model.native_decode``'s numpy step, and
   (``--paths no-defer``) the native step with the working set updated inside each layer
@@ -137,21 +139,23 @@ PATHS = (
     "mlx-sdpa",
     "no-skinny",
     "no-blocks",
+    "no-prefetch",
     "no-native",
     "no-defer",
 )
 
 
-def without_row_blocks(model: nn.Module) -> nn.Module | ProjectedModel:
-    """The engine's forward with every few-row product row-invariant (``skinny_product``, one
-    row per loop) instead of ``blocked_product``'s register blocks: ``KVSHELF_NO_ROW_BLOCKS``
-    while it is built (the products are taken at build time), so both run in one process."""
-    os.environ["KVSHELF_NO_ROW_BLOCKS"] = "1"
+def with_switch(model: nn.Module, switch: str) -> nn.Module | ProjectedModel:
+    """The engine's forward built with the environment switch ``switch`` on (the products are
+    taken at build time), so both forms run in one process: ``KVSHELF_NO_ROW_BLOCKS`` (every
+    few-row product row-invariant, one row per loop, instead of ``blocked_product``'s register
+    blocks) or ``KVSHELF_NO_PREFETCH`` (the blocks without asking for their weight ahead)."""
+    os.environ[switch] = "1"
     skinny.blocked_product.cache_clear()
     try:
         return with_fast_linears(model)
     finally:
-        del os.environ["KVSHELF_NO_ROW_BLOCKS"]
+        del os.environ[switch]
         skinny.blocked_product.cache_clear()
 
 
@@ -189,7 +193,8 @@ def run(
         if isinstance(no_defer, ProjectedModel) and no_defer.native is not None:
             no_defer.native.defer_updates = False  # the working set updated inside each layer
         no_skinny = with_fast_linears(model, skinny=False)  # the projections as before kvshelf.model.skinny
-        no_blocks = without_row_blocks(model) if "no-blocks" in paths else None
+        no_blocks = with_switch(model, "KVSHELF_NO_ROW_BLOCKS") if "no-blocks" in paths else None
+        no_prefetch = with_switch(model, "KVSHELF_NO_PREFETCH") if "no-prefetch" in paths else None
         # what a temperature-0 request runs (LoadedModel.greedy_forward): the shape-invariant kernels
         greedy = with_fast_linears(model, all_rows=True, attention=True) if "greedy" in paths else None
         greedy_no_skinny = (
@@ -229,6 +234,8 @@ def run(
                         kinds.append((True, f"{scheme} no skinny", no_skinny))
                     if no_blocks is not None:
                         kinds.append((True, f"{scheme} no row blocks", no_blocks))
+                    if no_prefetch is not None:
+                        kinds.append((True, f"{scheme} no prefetch", no_prefetch))
                     if no_native is not None:
                         kinds.append((True, f"{scheme} no native step", no_native))
                     if no_defer is not None:

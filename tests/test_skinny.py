@@ -20,7 +20,9 @@ from kvshelf.model.loader import load
 from kvshelf.model.skinny import (
     MAX_LAYER_ROWS,
     MIN_LAYER_BYTES,
+    PREFETCH_ROWS,
     blocked_product,
+    blocked_without_prefetch,
     invariant_blocked_product,
     skinny_product,
 )
@@ -57,6 +59,34 @@ def test_blocked_rows_lie_within_the_bound_and_a_row_alone_is_the_invariant_ones
             assert np.all(np.abs(g - e) <= dot_error_bound(weight, row)), m
         assert np.array_equal(got, blocked(x[:m], weight)), m
     assert np.array_equal(blocked(x[3:4], weight), product(x[3:4], weight))
+
+
+@pytest.mark.parametrize(("n", "k"), [(1024, 640), (4099, 576), (PREFETCH_ROWS + 1, 640), (7, 3), (1, 9)])
+def test_asking_for_the_weight_ahead_changes_no_sum(blocked, n, k):
+    """The blocks' prefetch is a hint: every row count gives the bits of the same blocks
+    without it, the last weight rows included (the rows asked for stop at the weight's end)."""
+    rng = np.random.default_rng(n + k)
+    weight = rng.standard_normal((n, k)).astype(np.float32)
+    x = rng.standard_normal((MAX_FEW_ROWS, k)).astype(np.float32)
+    unprefetched = blocked_without_prefetch(weight_rows=1)
+    for m in range(1, MAX_FEW_ROWS + 1):
+        assert np.array_equal(blocked(x[:m], weight), unprefetched(x[:m], weight)), m
+
+
+def test_the_prefetch_can_be_turned_off(monkeypatch):
+    monkeypatch.setenv("KVSHELF_NO_PREFETCH", "1")
+    blocked_product.cache_clear()
+    try:
+        without = blocked_product()
+    finally:
+        monkeypatch.delenv("KVSHELF_NO_PREFETCH")
+        blocked_product.cache_clear()
+    with_it = blocked_product()
+    assert without is not None and with_it is not None and without is not with_it
+    rng = np.random.default_rng(8)
+    weight, x = rng.standard_normal((1003, 640), dtype=np.float32), rng.standard_normal((8, 640), dtype=np.float32)
+    # eight rows: before the prefetch, blocks of eight took four weight rows at once
+    assert np.array_equal(without(x, weight), blocked_without_prefetch()(x, weight))
 
 
 @pytest.mark.parametrize(("n", "k"), [(1024, 640), (256, 640), (640, 2048), (4099, 576), (7, 3)])

@@ -31,12 +31,15 @@ process before anything uses them):
   loads, not by memory: Gemma 3's 262144x640 head at 2 / 4 / 8 / 16 rows took 37.6 / 61.4
   / 106.4 / 196.7 ms that way against 30.6 / 37.6 / 50.0 / 100.5 in blocks, where one row
   takes 27.1 and the floor is 31.6 (``benchmarks/head_rows.py``,
-  ``results/head-rows-20261203-171824.json``; MLX's matmul 94 / 133 / 136 / 125). A row's bits then depend on the
-  block it ran in, as a row of MLX's matmul depends on its row count; the default kernels
-  never promised more (their attention rounds by the batch too).
+  ``results/head-rows-20261203-171824.json``; MLX's matmul 94 / 133 / 136 / 125). Its
+  blocks ask for each weight row a few rows ahead (``PREFETCH_ROWS``), so that memory
+  and arithmetic overlap. A row's bits then depend on the block it ran in, as a row of
+  MLX's matmul depends on its row count; the default kernels never promised more (their
+  attention rounds by the batch too).
 
 ``KVSHELF_NO_SKINNY=1`` keeps MLX's own matmuls (and sgemv for the head);
-``KVSHELF_NO_ROW_BLOCKS=1`` runs the default kernels' rows row-invariant too.
+``KVSHELF_NO_ROW_BLOCKS=1`` runs the default kernels' rows row-invariant too;
+``KVSHELF_NO_PREFETCH=1`` runs their blocks as before ``PREFETCH_ROWS``.
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ import numpy as np
 from kvshelf.model.blas import usable_cpus
 from kvshelf.model.dot_bound import dot_error_bound
 from kvshelf.model.few_rows import MAX_FEW_ROWS, Gemm
+from kvshelf.model.prefetch import LINE_FLOATS, prefetch_line
 from kvshelf.switches import env_on
 
 # The most rows a layer projection sends here. Alone, each of Gemma 3's layer shapes is faster
@@ -99,27 +103,47 @@ def _kernel() -> Any:
     return rows_by_weight
 
 
-# Weight rows the block of eight x rows takes at once: each x element, loaded once, is
-# multiplied into that many weight rows' sums. One weight row at a time, eight x rows load
-# nine values for eight products, and the product is bound by those loads: every layer
-# projection of a step at 8 rows, the model's own weights in huge pages, medians of 20
-# interleaved rounds (scratch run, 2-core EPYC): the 30-layer llama 37.7 ms one weight row
-# at a time, 34.0 by fours, 35.6 by sixes; Gemma 3 34.5, 27.5, 26.9. At 2 and 4 x rows
-# the loads keep up with memory and more weight rows only slowed it (llama at 4 rows: 24.3
-# against 29.6 ms by fours), so those blocks take one.
+# Weight rows the row-invariant blocked product's block of four x rows takes at once
+# (``invariant_blocked_product``): each x element, loaded once, is multiplied into that many
+# weight rows' sums, which a 256-row prefill chunk, bound by its arithmetic, needs.
 WEIGHT_ROWS = 4
+
+# How many weight rows ahead the default kernels' blocks ask for their weight
+# (``kvshelf.model.prefetch``). A block of 2-8 rows computes long enough on each weight row
+# that the hardware prefetcher falls behind and the loop waits for memory, then computes;
+# asked for ahead, the two overlap. Then one weight row at a time is fastest at every
+# block (before, eights took four: ``blocked_by_weight_rows``). Every projection of a
+# step, random weights of the models' shapes, medians of 9 interleaved rounds (scratch
+# run, 2-core EPYC, 2026-12-06), ms before / with 4 rows ahead / with 8: Gemma 3 at 8
+# rows 66.1 / 44.8 / 43.2 (its head 42.0 / 24.0 / 22.9), at 4 rows 41.4 / 38.5 / 36.3,
+# at 2 rows 38.7 / 36.5 / 38.6; the 30-layer llama at 8 rows 34.9 / 22.6 / 23.0, at 4 rows
+# 23.0 / 19.4 / 19.0. A single row (the row-invariant loop) gained nothing (Gemma 3 33.8
+# ms without, 36.4-36.6 with), so it has none.
+PREFETCH_ROWS = 8
+
+# The smallest block that prefetches. Blocks of two rows compute little enough on each
+# weight row for the hardware prefetcher to keep up, and the hint only cost them: whole
+# steps at 1K, batch 2, two runs of ``benchmarks/decode.py --paths default,no-prefetch``
+# (2026-12-06, load 0.7-1.1), ms with / without: Gemma 3 49.6 / 45.3 and 53.0 / 48.0, the
+# llama 38.0 / 34.0 and 45.7 / 42.9.
+PREFETCH_BLOCK = 4
 
 
 @cache
-def _block_loop(block: int, tile: int) -> Any:
+def _block_loop(block: int, tile: int, ahead: int = 0) -> Any:
     """The loop that takes ``block`` rows at once (``x``'s row count a multiple of it) against
     ``tile`` weight rows (at most the weight's): each element loaded once is multiplied into
     the sums it meets, which LLVM keeps in registers (both counts are compile-time
     constants, so the inner loops unroll). The last tile, short of weight rows, moves back
     to end at the last weight row and writes only the sums not written before, so every
     output element comes from the one loop body: blocks of 4 and 8 rows then sum in the same
-    order (``invariant_blocked_product``). Built once per (block, tile)."""
+    order (``invariant_blocked_product``). With ``ahead`` > 0, each tile first prefetches
+    the weight rows ``ahead`` rows on (a hint: the sums do not change). Built once per
+    (block, tile, ahead)."""
     from numba import njit, prange
+
+    prefetch = prefetch_line()
+    prefetched = tile if ahead > 0 else 0  # weight rows each tile asks for (a constant here)
 
     @njit(_signatures(), parallel=True, fastmath=True, cache=True, boundscheck=False)
     def rows_by_weight_in_blocks(x: np.ndarray, weight: np.ndarray, out: np.ndarray) -> None:
@@ -128,6 +152,10 @@ def _block_loop(block: int, tile: int) -> Any:
         for jt in prange(-(-n // tile)):
             first = jt * tile
             j = min(first, n - tile)
+            coming = min(j + ahead, n - tile)
+            for t in range(prefetched):
+                for i in range(0, k, LINE_FLOATS):
+                    prefetch(weight, coming + t, i)
             for b in range(0, rows, block):
                 sums = np.zeros((tile, block), dtype=np.float32)
                 for i in range(k):
@@ -142,17 +170,9 @@ def _block_loop(block: int, tile: int) -> Any:
     return rows_by_weight_in_blocks
 
 
-def _blocks_tile(block: int, weight_rows: int = WEIGHT_ROWS) -> int:
-    """The weight rows a block of ``block`` x rows takes: ``weight_rows`` for eights, one for
-    twos and fours. The row-invariant loop loads each weight element again for every row;
-    the blocks load it once for the block, so a step of several rows costs closer to its
-    weight's bytes than to its rows' loads (measured in ``blocked_product``)."""
-    return weight_rows if block == 8 else 1
-
-
-def _loop_for(block: int, tile: int, weight: np.ndarray) -> Any:
-    """``_block_loop(block, tile)``, the tile cut to the weight's rows where it has fewer."""
-    return _block_loop(block, min(tile, weight.shape[0]))
+def _loop_for(block: int, tile: int, weight: np.ndarray, ahead: int = 0) -> Any:
+    """``_block_loop(block, tile, ahead)``, the tile cut to the weight's rows where it has fewer."""
+    return _block_loop(block, min(tile, weight.shape[0]), ahead)
 
 
 def _checked(x: np.ndarray, weight: np.ndarray) -> np.ndarray:
@@ -179,10 +199,12 @@ def _block_of(rows: int) -> int:
     return 1 if rows == 1 else 2 if rows == 2 else 4 if rows <= 4 else 8
 
 
-def _blocked(x: np.ndarray, weight: np.ndarray, weight_rows: int = WEIGHT_ROWS) -> np.ndarray:
+def _blocked(x: np.ndarray, weight: np.ndarray, weight_rows: int = 1, ahead: int = PREFETCH_ROWS) -> np.ndarray:
     """``x @ weight.T`` as ``_product``, a row alone through its loop, more rows in register
-    blocks, eights against ``weight_rows`` weight rows (zero rows added up to the block's
-    multiple; their sums are dropped)."""
+    blocks against one weight row at a time, blocks of ``PREFETCH_BLOCK`` rows and more
+    asking for the weight ``ahead`` rows on (zero
+    rows added up to the block's multiple; their sums are dropped). ``weight_rows``: the
+    weight rows a block of eight takes instead (the form before ``PREFETCH_ROWS``)."""
     x = _checked(x, weight)
     rows = x.shape[0]
     block = _block_of(rows)
@@ -192,7 +214,7 @@ def _blocked(x: np.ndarray, weight: np.ndarray, weight_rows: int = WEIGHT_ROWS) 
     if padded != rows:
         x = np.concatenate([x, np.zeros((padded - rows, x.shape[1]), dtype=np.float32)])
     out = np.empty((padded, weight.shape[0]), dtype=np.float32)
-    _loop_for(block, _blocks_tile(block, weight_rows), weight)(x, weight, out)
+    _loop_for(block, weight_rows if block == 8 else 1, weight, ahead if block >= PREFETCH_BLOCK else 0)(x, weight, out)
     return out[:rows]
 
 
@@ -237,11 +259,11 @@ def invariant_blocked_product() -> Gemm | None:
     return _invariant_blocked if _invariant_and_exact(_invariant_blocked, rows=40) else None
 
 
-def blocked_by_weight_rows(weight_rows: int) -> Gemm:
-    """``blocked_product``'s loops with the block of eight rows against ``weight_rows`` weight
-    rows (1: one at a time, as before ``WEIGHT_ROWS``), unchecked: for
-    ``benchmarks/head_rows.py`` to time them side by side."""
-    return lambda x, weight: _blocked(x, weight, weight_rows)
+def blocked_without_prefetch(weight_rows: int = WEIGHT_ROWS) -> Gemm:
+    """``blocked_product``'s loops as they were before ``PREFETCH_ROWS``: no prefetch, the
+    block of eight rows against ``weight_rows`` weight rows. Unchecked: for
+    ``benchmarks/head_rows.py`` to time both forms side by side."""
+    return lambda x, weight: _blocked(x, weight, weight_rows, ahead=0)
 
 
 def _invariant_and_exact(product: Gemm, rows: int = MAX_FEW_ROWS + 1) -> bool:
@@ -323,7 +345,7 @@ def _exact(product: Gemm) -> bool:
 @cache
 def blocked_product() -> Gemm | None:
     """``x @ weight.T`` for a decode step's rows, fastest: one row through the row-invariant
-    loop, 2 rows by twos, 3-4 by fours, 5 and more by eights (``_blocks_tile``). A row's bits then
+    loop, 2 rows by twos, 3-4 by fours, 5 and more by eights (``PREFETCH_ROWS``). A row's bits then
     depend on the block its product ran in (the loops sum in other orders), as a row of
     MLX's matmul depends on its row count; each within the same fp32 bound. Where a row's
     bits must be its own (the temperature-0 kernels' head), ``skinny_product``.
@@ -334,4 +356,5 @@ def blocked_product() -> Gemm | None:
         return None
     if env_on("KVSHELF_NO_ROW_BLOCKS"):
         return skinny_product()
-    return _blocked if _exact(_blocked) else skinny_product()
+    product = blocked_without_prefetch() if env_on("KVSHELF_NO_PREFETCH") else _blocked
+    return product if _exact(product) else skinny_product()
