@@ -53,7 +53,6 @@ import numpy as np
 from kvshelf.model.blas import usable_cpus
 from kvshelf.model.dot_bound import dot_error_bound
 from kvshelf.model.few_rows import MAX_FEW_ROWS, Gemm
-from kvshelf.model.prefetch import LINE_FLOATS, prefetch_line
 from kvshelf.switches import env_on
 
 # The most rows a layer projection sends here. Alone, each of Gemma 3's layer shapes is faster
@@ -142,7 +141,9 @@ def _block_loop(block: int, tile: int, ahead: int = 0) -> Any:
     (block, tile, ahead)."""
     from numba import njit, prange
 
-    prefetch = prefetch_line()
+    from kvshelf.model import prefetch
+    from kvshelf.model.prefetch import LINE_FLOATS
+
     prefetched = tile if ahead > 0 else 0  # weight rows each tile asks for (a constant here)
 
     @njit(_signatures(), parallel=True, fastmath=True, cache=True, boundscheck=False)
@@ -155,7 +156,7 @@ def _block_loop(block: int, tile: int, ahead: int = 0) -> Any:
             coming = min(j + ahead, n - tile)
             for t in range(prefetched):
                 for i in range(0, k, LINE_FLOATS):
-                    prefetch(weight, coming + t, i)
+                    prefetch.line(weight, coming + t, i)
             for b in range(0, rows, block):
                 sums = np.zeros((tile, block), dtype=np.float32)
                 for i in range(k):
