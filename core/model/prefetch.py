@@ -16,7 +16,8 @@ keys a loop by its closure's values, finds the same key in every process.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import Any, cast
 
 from llvmlite import ir
 from numba.core import cgutils, types
@@ -26,9 +27,8 @@ from numba.extending import intrinsic
 LINE_FLOATS = 16
 
 
-@intrinsic
-def line(typingctx: Any, array: Any, i: Any, j: Any) -> Any:
-    """Prefetch the cache line of ``array[i, j]`` (a 2-D array) for reading."""
+def _prefetch_typing(typingctx: Any, array: Any, i: Any, j: Any) -> Any:
+    """numba's typing of ``line``, and the LLVM it compiles to."""
 
     def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
         array_type = signature.args[0]
@@ -45,3 +45,7 @@ def line(typingctx: Any, array: Any, i: Any, j: Any) -> Any:
         return context.get_dummy_value()
 
     return types.void(array, i, j), codegen
+
+
+# Prefetch the cache line of ``array[i, j]`` (a 2-D array) for reading; inside numba loops only.
+line = cast(Callable[[Any, int, int], None], intrinsic(_prefetch_typing))
