@@ -8,10 +8,6 @@ rows stay MLX's own."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -75,19 +71,6 @@ def test_asking_for_the_weight_ahead_changes_no_sum(blocked, n, k):
     unprefetched = blocked_without_prefetch(weight_rows=1)
     for m in range(1, MAX_FEW_ROWS + 1):
         assert np.array_equal(blocked(x[:m], weight), unprefetched(x[:m], weight)), m
-
-
-def test_a_second_process_loads_the_compiled_loops_from_numbas_cache(tmp_path):
-    """numba keys a cached loop by its closure's values: one that pickled differently in
-    every process (the prefetch intrinsic itself did) was compiled again at every start, for
-    seconds. The second process must find every loop the first one saved."""
-    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path), "NUMBA_DEBUG_CACHE": "1"}
-    code = "from kvshelf.model import skinny; skinny.blocked_product(); skinny.invariant_blocked_product()"
-    runs = [subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True) for _ in range(2)]
-    assert all(r.returncode == 0 for r in runs), [r.stderr[-2000:] for r in runs]
-    first, second = (r.stdout + r.stderr for r in runs)
-    assert "rows_by_weight_in_blocks" in first and "data saved" in first
-    assert "data loaded" in second and "data saved" not in second, second[-2000:]
 
 
 def test_the_prefetch_can_be_turned_off(monkeypatch):

@@ -29,6 +29,8 @@ F32 = np.float32
 def _kernels() -> Any:
     from numba import njit
 
+    from kvshelf.kv import fp16_rounding  # reached as a module attribute: see that module
+
     @njit(cache=True)
     def hadamard_rows(x, scale):
         """Each row's orthonormal Hadamard transform, in place (length a power of two)."""
@@ -45,19 +47,6 @@ def _kernels() -> Any:
                 h *= 2
             for j in range(n):
                 x[r, j] = x[r, j] * scale
-
-    @njit(cache=True)
-    def fp16(x):
-        """``x`` rounded to the nearest fp16 value (ties to even), as fp32: numba has no
-        fp16 type, so the rounding is done at fp16's spacing, in exact power-of-two steps."""
-        if x == 0 or not math.isfinite(x):
-            return x
-        _, e = math.frexp(x)  # |x| in [2 ** (e - 1), 2 ** e)
-        step = -24 if e < -13 else e - 11  # fp16's spacing there: subnormals below 2 ** -14
-        r = np.rint(np.float64(x) * 2.0**-step) * 2.0**step
-        if abs(r) > 65504.0:
-            return np.float32(math.copysign(math.inf, x))
-        return np.float32(r)
 
     @njit(cache=True)
     def quantize_rows(x, group, bits, words, scales, biases):
@@ -90,8 +79,8 @@ def _kernels() -> Any:
                     bias = edge
                 else:
                     bias = np.float32(0.0)
-                s16 = fp16(scale)
-                b16 = fp16(bias)
+                s16 = fp16_rounding.fp16(scale)
+                b16 = fp16_rounding.fp16(bias)
                 scales[r, g0 // group] = s16
                 biases[r, g0 // group] = b16
                 for j in range(g0, g0 + group):

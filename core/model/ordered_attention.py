@@ -49,13 +49,7 @@ def _kernel() -> Any:
     except ImportError:
         return None
 
-    # Reassociation only inside one dot product, whose lanes depend on the head's dims alone.
-    @njit(fastmath=True, cache=True, boundscheck=False)
-    def dot(a: np.ndarray, b: np.ndarray) -> np.float32:
-        total = np.float32(0.0)
-        for i in range(a.shape[0]):
-            total += a[i] * b[i]
-        return total
+    from kvshelf.model import ordered_dot  # a module attribute, so numba's disk cache finds the loop
 
     # No reassociation here: the sums over keys run in column order.
     @njit(parallel=True, fastmath={"contract"}, cache=True, boundscheck=False)
@@ -77,7 +71,7 @@ def _kernel() -> Any:
             top = np.float32(-np.inf)
             for c in range(columns):
                 if seen[b, r, c]:
-                    s = dot(query, keys[b, g, c])
+                    s = ordered_dot.dot(query, keys[b, g, c])
                     scores[c] = s
                     top = max(top, s)
             num = np.zeros(dv, dtype=np.float32)
