@@ -168,8 +168,12 @@ def _attention_kernel() -> Any:
     (agent, head, range) a job across the cores: that head's query rows scored against each
     key row once, a max-subtracted softmax and the values weighted in one pass, per range;
     then each head's ranges merged (rescaled to the common maximum), and normalized last.
-    One agent's one KV head (Gemma 3 at batch 1) thus reads its keys on both cores
-    (compiled once per process, cached on disk by numba)."""
+    One agent's one KV head (Gemma 3 at batch 1) thus reads its keys on both cores. A
+    column the mask hides (``MASKED``) is not read at all: a working set keeps a sliding
+    layer's rows back to its last block boundary (Gemma 3 at 1K: 768 columns for a window
+    of 512) and a batch's left padding, and their weights are exactly 0, which adds nothing
+    to any sum; a range of columns all hidden weighs nothing, and a row that sees no column
+    gets zeros (compiled once per process, cached on disk by numba)."""
     from numba import njit, prange
 
     @njit(parallel=True, fastmath=True, cache=True, boundscheck=False)
@@ -194,6 +198,10 @@ def _attention_kernel() -> Any:
             scores = np.empty((group, max(n, 1)), dtype=np.float32)
             m = max(min(hi, stored) - lo, 0)  # of them, stored columns; the rest is the new row
             for t in range(m):
+                if bias[br, lo + t] == MASKED:  # a hidden column: its key is not read
+                    for g in range(group):
+                        scores[g, t] = MASKED
+                    continue
                 for g in range(group):
                     total = np.float32(0.0)
                     for i in range(d):
@@ -222,7 +230,8 @@ def _attention_kernel() -> Any:
                     e = ((((EXP_5 * r + EXP_4) * r + EXP_3) * r + EXP_2) * r + EXP_1) * r + EXP_0
                     e = e * r * r + r + np.float32(1.0)
                     powers[t] = (np.int32(power) + np.int32(127)) << np.int32(23)
-                    scores[g, t] = e if x >= EXP_FLOOR else np.float32(0.0)
+                    # a range that sees nothing (every column hidden) weighs nothing
+                    scores[g, t] = e if x >= EXP_FLOOR and top > MASKED else np.float32(0.0)
                 scales = powers.view(np.float32)
                 denominator = np.float32(0.0)
                 for t in range(n):
@@ -235,6 +244,8 @@ def _attention_kernel() -> Any:
             for t in range(m):
                 for g in range(group):
                     p = scores[g, t]
+                    if p == 0.0:  # a hidden column's weight: adding 0 changes no sum, so skip its value
+                        continue
                     for i in range(dv):
                         acc[g, i] += p * v[base + lo + t, i]
             for t in range(m, n):
@@ -244,7 +255,8 @@ def _attention_kernel() -> Any:
                         acc[g, i] += p * new_v[b, h, i]
             if splits == 1:  # nothing to merge: normalize into the output at once
                 for g in range(group):
-                    scale = np.float32(1.0) / sums[head, 0, g]
+                    total = sums[head, 0, g]  # 0 only for a row that sees no column: zeros
+                    scale = np.float32(1.0) / total if total > 0.0 else np.float32(0.0)
                     for i in range(dv):
                         out[b, h, g, i] = acc[g, i] * scale
             else:
@@ -265,7 +277,7 @@ def _attention_kernel() -> Any:
                         denominator += weight * sums[head, part, g]
                         for i in range(dv):
                             out[b, h, g, i] += weight * parts[head, part, g, i]
-                    scale = np.float32(1.0) / denominator
+                    scale = np.float32(1.0) / denominator if denominator > 0.0 else np.float32(0.0)
                     for i in range(dv):
                         out[b, h, g, i] *= scale
 
