@@ -85,6 +85,13 @@ def test_the_operations_match_mlx():
         for b, p in enumerate(positions):
             want = np.array(module(mx.array(x[b : b + 1, :, None, :]), offset=int(p)))[0, :, 0]
             assert close(got[b], want, 1e-5), type(module).__name__
+        # the compiled rotation rounds as numpy's products and sums of the same pairs do
+        cos, sin = (t[:, None, :] for t in rope.tables(positions))
+        d, plain = rope.dims, x.copy()
+        first, second = (slice(0, d, 2), slice(1, d, 2)) if rope.traditional else (slice(0, d // 2), slice(d // 2, d))
+        a, b_ = x[..., first], x[..., second]
+        plain[..., first], plain[..., second] = a * cos - b_ * sin, a * sin + b_ * cos
+        assert np.array_equal(got, plain), type(module).__name__
     assert Rope.of(nn.Linear(2, 2)) is None
 
 

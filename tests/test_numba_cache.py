@@ -29,6 +29,8 @@ rng = np.random.default_rng(0)
 x = rng.standard_normal((3, 256), dtype=np.float32)
 row_coding.quantize(row_coding.hadamard(x), 64, 4)
 native_ops.rms_norm(x, np.ones(256, dtype=np.float32), 1e-6)
+rope = native_ops.Rope(64, False, np.ones(32, dtype=np.float32), 1.0)
+rope(x.reshape(3, 4, 64), *rope.tables(np.arange(3)))
 q = rng.standard_normal((2, 4, 64), dtype=np.float32)
 kv = rng.standard_normal((2, 1, 300, 64), dtype=np.float32)
 native_ops.attend(q, kv, kv, None, 0.125)
@@ -43,7 +45,7 @@ def test_a_second_process_compiles_nothing(tmp_path):
     runs = [subprocess.run(command, env=env, capture_output=True, text=True) for _ in range(2)]
     assert all(r.returncode == 0 for r in runs), [r.stderr[-3000:] for r in runs]
     first, second = (r.stdout + r.stderr for r in runs)
-    for loop in ("rows_by_weight_in_blocks", "quantize_rows", "grouped_decode", "rms_rows", "attend"):
+    for loop in ("rows_by_weight_in_blocks", "quantize_rows", "grouped_decode", "rms_rows", "rotate", "attend"):
         assert loop in first and "data saved" in first, loop
     saved = [line for line in second.splitlines() if "data saved" in line]
     assert "data loaded" in second and not saved, saved

@@ -123,6 +123,9 @@ class NativeDecoder:
         self._embed_scale = embed_scale
         self._embed = buffer_view(body.embed_tokens["weight"])
         self._final = _norm_weight(body.norm, self.norm_offset)
+        self._deferred: list[tuple[Any, np.ndarray, np.ndarray, Any]] = []
+        # one step's RoPE tables, by rotation and positions
+        self._tables: dict[tuple[tuple[float, bytes], bytes], tuple[np.ndarray, np.ndarray]] = {}
         self.window: int | None = None
 
     def takes(self, inputs: mx.array, cache: Any) -> bool:
@@ -150,7 +153,7 @@ class NativeDecoder:
         if self._embed_scale is not None:
             h *= F32(self._embed_scale)
         full, sliding = (mask_bias(m) for m in self._masks(inputs, cache))
-        self._deferred: list[tuple[Any, np.ndarray, np.ndarray, Any]] = []
+        self._deferred, self._tables = [], {}
         for layer, c in zip(self.layers, cache):
             h = self._block(layer, h, sliding if layer.sliding else full, c)
         h = rms_norm(h, self._final, self._eps)
@@ -182,7 +185,11 @@ class NativeDecoder:
         if "q" in layer.norms:
             q, k = rms_norm(q, layer.norms["q"], self._eps), rms_norm(k, layer.norms["k"], self._eps)
         positions = np.broadcast_to(np.asarray(cache.offset).reshape(-1), (b,))
-        cos, sin = layer.rope.tables(positions)
+        # Every layer of a step rotates at the same positions: each rotation's tables once a step.
+        key = (layer.rope.angles_key, positions.tobytes())
+        if key not in self._tables:
+            self._tables[key] = layer.rope.tables(positions)
+        cos, sin = self._tables[key]
         q, k = layer.rope(q, cos, sin), layer.rope(k, cos, sin)
         # A decode working set can take the step's rows after every layer is done: attention
         # reads its stored columns and the new rows as the cache will code them (numpy, MLX's

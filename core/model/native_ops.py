@@ -79,6 +79,8 @@ class Rope:
         self.traditional = traditional
         self._inv = inverse_frequencies.astype(F32)
         self.scale = scale
+        # What ``tables`` depends on: layers whose rotations share it share their tables.
+        self.angles_key = (self.scale, self._inv.tobytes())
 
     @classmethod
     def of(cls, module: Any) -> Rope | None:
@@ -97,17 +99,38 @@ class Rope:
         return np.cos(angles), np.sin(angles)
 
     def __call__(self, x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
-        """``x`` (batch, heads, head_dim) with each batch row at its own position."""
-        c, s = cos[:, None, :], sin[:, None, :]
-        d = self.dims
-        out = np.array(x, dtype=F32, copy=True)
-        if self.traditional:
-            a, b = x[..., 0:d:2], x[..., 1:d:2]
-            out[..., 0:d:2], out[..., 1:d:2] = a * c - b * s, a * s + b * c
-        else:
-            a, b = x[..., : d // 2], x[..., d // 2 : d]
-            out[..., : d // 2], out[..., d // 2 : d] = a * c - b * s, a * s + b * c
+        """``x`` (batch, heads, head_dim) with each batch row at its own position: the pairs
+        ``(a, b)`` of the first ``dims`` features (neighbours if ``traditional``, else the
+        halves) become ``(a cos - b sin, a sin + b cos)``, each product rounded apart."""
+        rows = np.ascontiguousarray(x, dtype=F32)
+        out = np.empty_like(rows)
+        _rope_kernel()(rows, np.ascontiguousarray(cos), np.ascontiguousarray(sin), self.dims, self.traditional, out)
         return out
+
+
+@cache
+def _rope_kernel() -> Any:
+    """The rotation in one compiled pass (as numpy, it was eleven operations a call, and a
+    decode step makes two a layer). Without fast-math, so every product and sum rounds as
+    numpy's did: ``a * c - b * s`` is two rounded products, then their rounded difference."""
+    from numba import njit
+
+    @njit(cache=True, boundscheck=False)
+    def rotate(x, cos, sin, dims, traditional, out):
+        batch, heads, width = x.shape
+        half = dims // 2
+        for r in range(batch):
+            for h in range(heads):
+                for i in range(width):
+                    out[r, h, i] = x[r, h, i]
+                for i in range(half):
+                    first, second = (2 * i, 2 * i + 1) if traditional else (i, i + half)
+                    a, b = x[r, h, first], x[r, h, second]
+                    c, s = cos[r, i], sin[r, i]
+                    out[r, h, first] = a * c - b * s
+                    out[r, h, second] = a * s + b * c
+
+    return rotate
 
 
 # What a masked score becomes: finite, so that the compiled loops may assume no infinities,
