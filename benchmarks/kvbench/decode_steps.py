@@ -24,6 +24,7 @@ from kvshelf.kv.batch import batch_views
 from kvshelf.kv.working_set import WorkingSets
 from kvshelf.model.head import ProjectedModel, buffer_view
 from kvshelf.model.sgemv import system_sgemv
+from kvshelf.model.skinny import skinny_product
 from kvshelf.model.spec import ModelCacheSpec
 
 FILL_CHUNK = 1024
@@ -42,10 +43,11 @@ STREAM_MB = 1024
 REPEATS = 15
 
 FLOOR_METHOD = (
-    "Read bandwidth measured in the same run, four ways: (1) numpy sum and (2) MLX sum of a "
+    "Read bandwidth measured in the same run, five ways: (1) numpy sum and (2) MLX sum of a "
     "STREAM_MB float32 buffer (well above the LLC); (3) one cblas_sgemv (the OpenBLAS MLX uses, "
     "with its threads) of every 2-D weight of the model with a vector, i.e. the step's own read "
-    "pattern over the weights' own bytes, and (4) a numpy sum over the same weights. Each is "
+    "pattern over the weights' own bytes, (4) a numpy sum over the same weights, and (5) "
+    "kvshelf's own one-row product (kvshelf.model.skinny, on every core) over them. Each is "
     "warmed by one untimed pass, then REPEATS passes are timed, interleaved round-robin with "
     "the other readings' so each spans the whole measurement; best, median and worst are "
     "reported. The floor uses the highest best pass of the four (what the machine was seen "
@@ -102,6 +104,12 @@ def bandwidth(model: nn.Module | None = None, megabytes: int = STREAM_MB, repeat
             vecs = [np.ones(v.shape[1], dtype=np.float32) for v in views]
             reads["weights_sgemv"] = (wbytes, lambda: [sgemv(w, x) for w, x in zip(views, vecs)])
         reads["weights_numpy_sum"] = (wbytes, lambda: [float(v.sum()) for v in views])
+        # the batch-1 step's own kernel on both cores: numpy's sum reads on one thread only,
+        # so without this the floor could lie above what the step itself was seen to read
+        row = skinny_product()
+        if row is not None:
+            rows = [np.ones((1, v.shape[1]), dtype=np.float32) for v in views]
+            reads["weights_skinny_row"] = (wbytes, lambda: [row(x, w) for w, x in zip(views, rows)])
     readings = _interleaved(reads, repeats)
     chosen = max(readings, key=lambda k: readings[k]["best_gbs"])
     out.update(readings=readings, chosen=chosen, gbs=readings[chosen]["best_gbs"])
