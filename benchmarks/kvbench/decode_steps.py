@@ -50,7 +50,7 @@ FLOOR_METHOD = (
     "kvshelf's own one-row product (kvshelf.model.skinny, on every core) over them. Each is "
     "warmed by one untimed pass, then REPEATS passes are timed, interleaved round-robin with "
     "the other readings' so each spans the whole measurement; best, median and worst are "
-    "reported. The floor uses the highest best pass of the four (what the machine was seen "
+    "reported. The floor uses the highest best pass of the five (what the machine was seen "
     "to do, so the floor errs low): floor_ms = weight bytes / that bandwidth."
 )
 

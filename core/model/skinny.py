@@ -111,7 +111,7 @@ WEIGHT_ROWS = 4
 # (``kvshelf.model.prefetch``). A block of 2-8 rows computes long enough on each weight row
 # that the hardware prefetcher falls behind and the loop waits for memory, then computes;
 # asked for ahead, the two overlap. Then one weight row at a time is fastest at every
-# block (before, eights took four: ``blocked_by_weight_rows``). Every projection of a
+# block (before, eights took four: ``blocked_without_prefetch``). Every projection of a
 # step, random weights of the models' shapes, medians of 9 interleaved rounds (scratch
 # run, 2-core EPYC, 2026-12-06), ms before / with 4 rows ahead / with 8: Gemma 3 at 8
 # rows 66.1 / 44.8 / 43.2 (its head 42.0 / 24.0 / 22.9), at 4 rows 41.4 / 38.5 / 36.3,
@@ -203,9 +203,9 @@ def _block_of(rows: int) -> int:
 def _blocked(x: np.ndarray, weight: np.ndarray, weight_rows: int = 1, ahead: int = PREFETCH_ROWS) -> np.ndarray:
     """``x @ weight.T`` as ``_product``, a row alone through its loop, more rows in register
     blocks against one weight row at a time, blocks of ``PREFETCH_BLOCK`` rows and more
-    asking for the weight ``ahead`` rows on (zero
-    rows added up to the block's multiple; their sums are dropped). ``weight_rows``: the
-    weight rows a block of eight takes instead (the form before ``PREFETCH_ROWS``)."""
+    asking for the weight ``ahead`` rows on (zero rows added up to the block's multiple;
+    their sums are dropped). ``weight_rows``: the weight rows a block of eight takes
+    instead (the form before ``PREFETCH_ROWS``)."""
     x = _checked(x, weight)
     rows = x.shape[0]
     block = _block_of(rows)
@@ -346,7 +346,8 @@ def _exact(product: Gemm) -> bool:
 @cache
 def blocked_product() -> Gemm | None:
     """``x @ weight.T`` for a decode step's rows, fastest: one row through the row-invariant
-    loop, 2 rows by twos, 3-4 by fours, 5 and more by eights (``PREFETCH_ROWS``). A row's bits then
+    loop, 2 rows by twos, 3-4 by fours, 5 and more by eights, one weight row at a time,
+    the fours and eights asking for it ahead (``PREFETCH_ROWS``). A row's bits then
     depend on the block its product ran in (the loops sum in other orders), as a row of
     MLX's matmul depends on its row count; each within the same fp32 bound. Where a row's
     bits must be its own (the temperature-0 kernels' head), ``skinny_product``.
