@@ -63,11 +63,13 @@ def test_a_scheme_codes_and_reads_back_its_rows_as_mlx_does(name):
     assert got is not None
     assert np.array_equal(got.keys, np.array(want_k)[:, :, 0, :], equal_nan=True)
     assert np.array_equal(got.values, np.array(want_v)[:, :, 0, :], equal_nan=True)
-    for mine, theirs in zip(got.codes(), want_codes):
-        assert (mine is None) == (theirs is None)
-        for a, b in zip(mine or (), theirs or ()):
-            assert a.shape == b.shape and a.dtype == b.dtype
-            assert np.array_equal(np.array(a), np.array(b), equal_nan=True)
+    for member in range(3):
+        for mine, theirs in zip(got.member(member), want_codes):
+            assert (mine is None) == (theirs is None)
+            for a, b in zip(mine or (), theirs or ()):
+                want = np.array(b)[member, :, 0, :]
+                assert a.shape == want.shape and a.dtype == want.dtype
+                assert np.array_equal(a, want, equal_nan=True)
 
 
 @pytest.mark.parametrize("bits", [4, 8])

@@ -135,9 +135,14 @@ def fill(layers: list[Any], spec: ModelCacheSpec, context: int, seed: int) -> No
 
 
 def cache_arrays(c: Any) -> list[mx.array]:
-    """Every array one layer cache holds (its blocks, open tail and sinks), to evaluate or count."""
+    """Every array one layer cache holds (its blocks, open tail and sinks; mlx-lm's own
+    cache, its K/V), to evaluate or count. A kvshelf cache says (``arrays``) without
+    writing the tokens a decode step staged, as the scheduler's evaluation does."""
+    if hasattr(c, "arrays"):
+        mine: list[mx.array] = c.arrays()
+        return mine
     out: list[mx.array] = []
-    for name in ("keys", "values", "k_tail", "sink_k", "sink_v"):
+    for name in ("keys", "values"):
         x = getattr(c, name, None)
         if isinstance(x, tuple):
             out.extend(x)

@@ -156,14 +156,4 @@ class AgentCache:
 
     def arrays(self) -> list[mx.array]:
         """Every array the caches hold alone (to evaluate after a forward pass)."""
-        out: list[mx.array] = []
-        for c in self.layers:
-            if c.keys is not None:
-                assert c.values is not None  # set together with keys
-                out.extend((*c.keys, *c.values))
-            out.extend(
-                x
-                for x in (getattr(c, "k_tail", None), getattr(c, "sink_k", None), getattr(c, "sink_v", None))
-                if x is not None
-            )
-        return out
+        return [x for c in self.layers for x in c.arrays()]

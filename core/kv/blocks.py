@@ -47,9 +47,15 @@ QUANTIZED_ATTENTION_MAX_QUERY = 1
 SCALE_DTYPE = mx.float16
 
 QTriple = tuple[mx.array, mx.array, mx.array]
+NpTriple = tuple[np.ndarray, np.ndarray, np.ndarray]
 # New rows' at-rest codes (``QuantizedLayerCache.code_rows``): keys (None where keys wait
 # in fp16 until their block is full) and values.
 Codes = tuple[QTriple | None, QTriple]
+# One token's codes on numpy rows (``CodedRows.member``): what ``stage`` takes.
+RowCodes = tuple[NpTriple | None, NpTriple]
+# A token staged for a later write (``QuantizedLayerCache.stage``): its fp32 K and V rows
+# (heads x dim) and their codes.
+Staged = tuple[np.ndarray, np.ndarray, RowCodes]
 
 
 @dataclass
@@ -60,17 +66,13 @@ class CodedRows:
 
     keys: np.ndarray
     values: np.ndarray
-    key_codes: tuple[np.ndarray, np.ndarray, np.ndarray] | None
-    value_codes: tuple[np.ndarray, np.ndarray, np.ndarray]
+    key_codes: NpTriple | None
+    value_codes: NpTriple
 
-    def codes(self) -> Codes:
-        """The codes as MLX arrays shaped like ``code_rows``'s (one token per row)."""
-
-        def as_mx(q: tuple[np.ndarray, np.ndarray, np.ndarray]) -> QTriple:
-            w, s, z = (mx.array(x[:, :, None, :]) for x in q)
-            return w, s, z
-
-        return (as_mx(self.key_codes) if self.key_codes is not None else None), as_mx(self.value_codes)
+    def member(self, b: int) -> RowCodes:
+        """Row ``b``'s codes (one agent's token of a decode step), as ``stage`` takes them."""
+        row = lambda q: (q[0][b], q[1][b], q[2][b])  # noqa: E731
+        return (row(self.key_codes) if self.key_codes is not None else None), row(self.value_codes)
 
     def rows(self) -> tuple[mx.array, mx.array]:
         """What attention reads of the rows, as MLX arrays (one token per row)."""
@@ -146,6 +148,16 @@ def pairwise(a: QTriple, b: QTriple, fn: Callable[[mx.array, mx.array], mx.array
     return fn(a[0], b[0]), fn(a[1], b[1]), fn(a[2], b[2])
 
 
+def _stacked(rows: list[np.ndarray]) -> mx.array:
+    """One token's (heads, x) rows each, as one (1, heads, tokens, x) MLX array."""
+    return mx.array(np.stack(rows, axis=1)[None])
+
+
+def _stacked_codes(codes: list[NpTriple]) -> QTriple:
+    w, s, z = (_stacked([c[i] for c in codes]) for i in range(3))
+    return w, s, z
+
+
 def _blocks(n: int) -> int:
     return -(-n // BLOCK_TOKENS)
 
@@ -185,17 +197,105 @@ class QuantizedLayerCache(PackedFetch, _BaseCache):
         return not self.QUANTIZED_DECODE
 
     def __init__(self, layer: LayerSpec, bits: int = 4, group_size: int = 64):
+        self._staged: list[Staged] = []  # first: every field below settles it when set
         self.layer = layer
         self.window = layer.window
         self._bits = bits
         self.group_size = group_size_for(layer, group_size)
-        self.keys: QTriple | None = None
-        self.values: QTriple | None = None
-        self.start = 0  # absolute position of row 0 (a block boundary)
+        self._keys: QTriple | None = None
+        self._values: QTriple | None = None
+        self._start = 0
         self.offset = 0  # tokens seen so far; mlx-lm uses it as the RoPE offset
-        # Rows 0..base_rows-1 live in the shared base; own buffer row i is row base_rows+i.
-        self.base: SharedLayer | None = None
+        self._base: SharedLayer | None = None
         self._quantized_fetch = False
+
+    # -- staged tokens ---------------------------------------------------------------
+    # A decode step that codes its tokens on numpy rows (``kvshelf.kv.working_set``) hands
+    # each agent's token over with ``stage``: the offset moves at once, the buffers are
+    # written at the next read of any of them (``_settle``), all staged tokens in one
+    # append. Per token and layer, an append is a dozen MLX operations to build and
+    # evaluate, which for 8 agents cost about 10 of a 90 ms step; one append of many
+    # tokens gives the same buffers (every row is coded on its own; per-channel key blocks
+    # are quantized from the same fp16 rows whenever they close). Every field the buffers
+    # live in (``keys``, ``values``, ``start``, ``base``; a scheme's ``k_tail``) settles on
+    # read and write, so nothing outside sees an unwritten token; what a decode step asks
+    # between tokens (``offset``, ``start_after``, ``stable_until``, masks) does not.
+    STAGED_MAX = BLOCK_TOKENS  # settled at the latest this often: a window drops rows staged earlier than that
+
+    def stage(self, keys: np.ndarray, values: np.ndarray, codes: RowCodes) -> None:
+        """Append one token (fp32 K and V rows, heads x dim, and their ``read_back`` codes,
+        ``CodedRows.member``) and write it to the buffers later, together with the next."""
+        self._staged.append((keys, values, codes))
+        self.offset += 1
+        if len(self._staged) >= self.STAGED_MAX or self._keys is None or self.own_rows_at(self.offset - 1):
+            self._settle()
+
+    def _settle(self) -> None:
+        """Write the staged tokens: one append, as if each had been appended on its arrival."""
+        if not self._staged:
+            return
+        staged, self._staged = self._staged, []
+        n = len(staged)
+        key_codes = [c[0] for _, _, c in staged if c[0] is not None]
+        codes = (_stacked_codes(key_codes) if key_codes else None), _stacked_codes([c[1] for _, _, c in staged])
+        keys, values = _stacked([k for k, _, _ in staged]), _stacked([v for _, v, _ in staged])
+        self.offset -= n
+        # where one-by-one appends would leave the start: as of the last token's arrival
+        self._append(keys, values, codes, self._start_for(self.offset + n - 1))
+
+    def _start_for(self, position: int) -> int:
+        """Where the buffer starts once the token at ``position`` is in."""
+        if self.window is None:
+            return self._start
+        keep_from = position - self.window + 1 - BLOCK_TOKENS
+        return max(self._start, keep_from // BLOCK_TOKENS * BLOCK_TOKENS)
+
+    @property
+    def keys(self) -> QTriple | None:
+        self._settle()
+        return self._keys
+
+    @keys.setter
+    def keys(self, value: QTriple | None) -> None:
+        self._settle()
+        self._keys = value
+
+    @property
+    def values(self) -> QTriple | None:
+        self._settle()
+        return self._values
+
+    @values.setter
+    def values(self, value: QTriple | None) -> None:
+        self._settle()
+        self._values = value
+
+    @property
+    def start(self) -> int:
+        """Absolute position of row 0 (a block boundary)."""
+        self._settle()
+        return self._start
+
+    @start.setter
+    def start(self, value: int) -> None:
+        self._settle()
+        self._start = value
+
+    @property
+    def base(self) -> SharedLayer | None:
+        """Rows 0..base_rows-1 live in this shared base; own buffer row i is row base_rows+i."""
+        self._settle()
+        return self._base
+
+    @base.setter
+    def base(self, value: SharedLayer | None) -> None:
+        self._settle()
+        self._base = value
+
+    def arrays(self) -> list[mx.array]:
+        """Every array this cache holds alone, to evaluate after a step (staged tokens are
+        numpy rows: nothing to evaluate, so they stay staged)."""
+        return [*(self._keys or ()), *(self._values or ())]
 
     # -- mlx-lm cache protocol -------------------------------------------------
     @property
@@ -212,10 +312,7 @@ class QuantizedLayerCache(PackedFetch, _BaseCache):
         A pure function of the current state, so ``make_mask`` (called before the
         update) and ``update_and_fetch`` agree.
         """
-        if self.window is None:
-            return self.start
-        keep_from = self.offset - self.window + 1 - BLOCK_TOKENS
-        return max(self.start, keep_from // BLOCK_TOKENS * BLOCK_TOKENS)
+        return self._start_for(self.offset)
 
     def make_mask(self, n: int, window_size: int | None = None, return_array: bool = False):
         window = window_size or self.window
@@ -243,9 +340,13 @@ class QuantizedLayerCache(PackedFetch, _BaseCache):
 
         ``codes``: ``code_rows(keys, values)``, when the caller has them already (a decode
         step codes its members' new rows once, together)."""
-        n = keys.shape[2]
-        self._make_room(self.start_after(n), n, keys, values)
+        self._settle()
         codes = codes if codes is not None else self.code_rows(keys, values)
+        self._append(keys, values, codes, self.start_after(keys.shape[2]))
+
+    def _append(self, keys: mx.array, values: mx.array, codes: Codes, new_start: int) -> None:
+        n = keys.shape[2]
+        self._make_room(new_start, n, keys, values)
         self._write(keys, values, self.used - self.base_rows, codes)
         self.offset += n
 
@@ -418,7 +519,9 @@ class QuantizedLayerCache(PackedFetch, _BaseCache):
 
     def clone(self) -> QuantizedLayerCache:
         """A copy that shares every array (and the base) until either side writes."""
+        self._settle()
         twin = copy.copy(self)
+        twin._staged = []  # its own list: a token staged on one side is not the other's
         if self.keys is not None and self.values is not None:  # new objects: writes go through ``x[...] = y``
             twin.keys = each(self.keys, lambda x: x[..., : x.shape[2], :])
             twin.values = each(self.values, lambda x: x[..., : x.shape[2], :])
@@ -483,9 +586,7 @@ class QuantizedLayerCache(PackedFetch, _BaseCache):
     @property
     def nbytes(self) -> int:
         """Bytes this cache holds alone (a shared base is counted once, by the pool)."""
-        if self.keys is None or self.values is None:
-            return 0
-        return sum(x.nbytes for x in (*self.keys, *self.values))
+        return sum(x.nbytes for x in self.arrays())
 
     # -- persistence -----------------------------------------------------------------
     # The record format (tensor names, header, checks) lives in ``kvshelf.kv.record``;

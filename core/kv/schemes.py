@@ -39,7 +39,17 @@ import mlx.core as mx
 import numpy as np
 
 from kvshelf.kv import row_coding
-from kvshelf.kv.blocks import SCALE_DTYPE, CodedRows, Codes, LayerRows, QTriple, QuantizedLayerCache, SharedLayer, each
+from kvshelf.kv.blocks import (
+    SCALE_DTYPE,
+    CodedRows,
+    Codes,
+    LayerRows,
+    QTriple,
+    QuantizedLayerCache,
+    RowCodes,
+    SharedLayer,
+    each,
+)
 from kvshelf.model.spec import BLOCK_TOKENS, LayerSpec
 
 FP16 = mx.float16
@@ -111,9 +121,28 @@ class SchemeLayerCache(QuantizedLayerCache):
         if scheme.channel_keys and BLOCK_TOKENS % self.group_size:
             raise ValueError("per-channel key groups must divide the block")
         self.scheme = scheme
-        self.k_tail: mx.array | None = None  # fp16 keys of the partial last block
+        self._k_tail: mx.array | None = None
         self.sink_k: mx.array | None = None  # fp16 K/V of positions 0..sinks-1
         self.sink_v: mx.array | None = None
+
+    @property
+    def k_tail(self) -> mx.array | None:
+        """fp16 keys of the partial last block (settles staged tokens, as ``keys`` does)."""
+        self._settle()
+        return self._k_tail
+
+    @k_tail.setter
+    def k_tail(self, value: mx.array | None) -> None:
+        self._settle()
+        self._k_tail = value
+
+    def stage(self, keys: np.ndarray, values: np.ndarray, codes: RowCodes) -> None:
+        super().stage(keys, values, codes)
+        if self.scheme.channel_keys and self._staged and self.stable_until == self.offset:
+            self._settle()  # the token closed its key block: quantize it now, as an append would
+
+    def arrays(self) -> list[mx.array]:
+        return super().arrays() + [x for x in (self._k_tail, self.sink_k, self.sink_v) if x is not None]
 
     # -- coding -----------------------------------------------------------------------
     def _code(self, x: mx.array, rotate: bool) -> QTriple:
@@ -284,8 +313,9 @@ class SchemeLayerCache(QuantizedLayerCache):
 
     @property
     def stable_until(self) -> int:
-        if self.scheme.channel_keys and self.k_tail is not None:
-            return self.offset - self.k_tail.shape[2]
+        if self.scheme.channel_keys and self._k_tail is not None:
+            # staged keys join the open block (``stage`` settles the one that fills it)
+            return self.offset - (self._k_tail.shape[2] + len(self._staged)) % BLOCK_TOKENS
         return self.offset
 
     def attention_rows(self, lo: int, hi: int, dtype: mx.Dtype, dense: bool = False) -> tuple[Any, Any]:
@@ -385,11 +415,6 @@ class SchemeLayerCache(QuantizedLayerCache):
         if self.scheme.channel_keys and packed is not None and self.k_tail is None:
             b, h, _, _ = packed[0].shape  # a whole number of blocks: the tail is empty
             self.k_tail = mx.zeros((b, h, 0, self.layer.k_head_dim), dtype=FP16)
-
-    @property
-    def nbytes(self) -> int:
-        extras = (self.k_tail, self.sink_k, self.sink_v)
-        return super().nbytes + sum(x.nbytes for x in extras if x is not None)
 
 
 SCHEMES: dict[str, KVScheme] = {

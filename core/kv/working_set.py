@@ -10,8 +10,10 @@ un-rotated for the schemes' dense path, packed triples for plain Q4's
 
 - made once when the decode run starts (or taken over from the previous run for the
   members that stay), dropped when the run ends or its membership changes;
-- each step a member's new token is stored in its Q4 blocks as before (``append``),
-  and the new rows of all members are coded once, together (``coded_rows``: exactly
+- each step a member's new token is stored in its Q4 blocks (``append``; a step that
+  codes its tokens on numpy rows stages them instead, ``QuantizedLayerCache.stage``,
+  written to the blocks many at once), and the new rows of all members are coded once,
+  together (``coded_rows``: exactly
   what each member's ``attention_rows`` of that position returns, coding being row by
   row) and written into the buffer's next column. A per-channel key block (KIVI)
   that an append filled is still read in fp16 by that step's query (the block's last
@@ -143,11 +145,6 @@ class DecodeLayer(BatchLayerView):
         return super().make_mask(n, window_size, return_array)
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[Any, Any]:
-        return self._update(keys, values, None)
-
-    def _update(self, keys: mx.array, values: mx.array, coded: CodedRows | None) -> tuple[Any, Any]:
-        """``update_and_fetch``, with the new rows' codes and read-back rows taken from
-        ``coded`` (numpy, the same bits) where given instead of coded here."""
         if keys.shape[2] != 1:
             raise ValueError("a decode working set takes one token per agent per step")
         if PIPELINE:
@@ -156,26 +153,35 @@ class DecodeLayer(BatchLayerView):
             out = self.members[0].update_and_fetch(keys, values)
             self.synced = [self.members[0].offset]
             return out
-        if self.keys is None or self.values is None:
-            self._build(keys.dtype)
-        self._make_room()
-        kbuf, vbuf = self.keys, self.values
-        assert kbuf is not None and vbuf is not None
-        olds = [m.offset for m in self.members]
-        stables = [m.stable_until for m in self.members]  # where each member's open key block starts
+        olds, stables = self._prepare(keys.dtype)
         # Every member's new row coded at once: coding is row by row, so a member's slice is
         # what its own append would store, and what its own ``attention_rows`` of that row
         # would give back.
-        codes = coded.codes() if coded is not None else self.members[0].code_rows(keys, values)
+        codes = self.members[0].code_rows(keys, values)
         for b, m in enumerate(self.members):
             m.append(keys[b : b + 1], values[b : b + 1], _member_codes(codes, b))
-        if coded is not None:
-            new_k, new_v = (_rows(x) for x in coded.rows())
-        else:
-            new_k, new_v = (_rows(x) for x in self.members[0].coded_rows(keys, values, keys.dtype, self._dense, codes))
+        new_k, new_v = (_rows(x) for x in self.members[0].coded_rows(keys, values, keys.dtype, self._dense, codes))
+        self._store(olds, stables, new_k, new_v, keys.dtype)
+        assert self.keys is not None and self.values is not None  # built by _prepare
+        width = max(m.offset - m.start for m in self.members)
+        cut = lambda buf: _fetched(tuple(x[..., self.end - width : self.end, :] for x in buf))  # noqa: E731
+        return cut(self.keys), cut(self.values)
+
+    def _prepare(self, dtype: mx.Dtype) -> tuple[list[int], list[int]]:
+        """Room for a step's column (the buffers built first if need be); each member's
+        offset and ``stable_until`` before the step's tokens arrive."""
+        if self.keys is None or self.values is None:
+            self._build(dtype)
+        self._make_room()
+        return [m.offset for m in self.members], [m.stable_until for m in self.members]
+
+    def _store(self, olds: list[int], stables: list[int], new_k: Rows, new_v: Rows, dtype: mx.Dtype) -> None:
+        """Write the step's rows (every member's, as attention reads them) into the next
+        column, after the members took their tokens; re-read rows that changed."""
+        assert self.keys is not None and self.values is not None
         col = self.end
-        self._write(kbuf, slice(None), col, list(new_k))
-        self._write(vbuf, slice(None), col, list(new_v))
+        self._write(self.keys, slice(None), col, list(new_k))
+        self._write(self.values, slice(None), col, list(new_v))
         for b, m in enumerate(self.members):
             # The new token reads the key blocks closed before its own quantized (the last
             # one closed at the previous step, whose query still read it open: kvschemes),
@@ -187,12 +193,9 @@ class DecodeLayer(BatchLayerView):
                 lo = min(stables[b], olds[b])
             if lo == olds[b] and not m.own_rows_at(olds[b]):
                 continue
-            self._reread(b, lo, col + 1, keys.dtype)
+            self._reread(b, lo, col + 1, dtype)
         self.end = col + 1
         self.synced = [m.offset for m in self.members]
-        width = max(m.offset - m.start for m in self.members)
-        cut = lambda buf: _fetched(tuple(x[..., self.end - width : self.end, :] for x in buf))  # noqa: E731
-        return cut(kbuf), cut(vbuf)
 
     # -- a step that codes its own token (kvshelf.model.native_decode) -------------------
     def read_back(self, keys: np.ndarray, values: np.ndarray) -> CodedRows | None:
@@ -213,16 +216,22 @@ class DecodeLayer(BatchLayerView):
         width = max(m.offset + 1 - m.start_after(1) for m in self.members)
         return self.keys, self.values, self.end - (width - 1), self.end
 
-    def advance(self, keys: mx.array, values: mx.array, coded: CodedRows) -> None:
-        """Append a step's tokens after its attention has read them (``previous_columns``
-        and ``coded``, their ``read_back``): ``update_and_fetch``'s appends and writes with
-        those codes, and at once the re-read of a key block that these tokens closed,
-        which their own queries read open (fp16) and the next ones read quantized."""
-        self._update(keys, values, coded)
+    def advance(self, keys: np.ndarray, values: np.ndarray, coded: CodedRows) -> None:
+        """Append a step's tokens (fp32 rows, one per member: batch x heads x dim) after its
+        attention has read them (``previous_columns`` and ``coded``, their ``read_back``):
+        the members stage them (``QuantizedLayerCache.stage``: written to their blocks
+        later, many at once), the buffer takes the rows ``coded`` says attention reads,
+        and a key block that these tokens closed is re-read at once (their own queries
+        read it open, fp16; the next ones read it quantized)."""
+        olds, stables = self._prepare(mx.float32)
+        for b, m in enumerate(self.members):
+            m.stage(keys[b], values[b], coded.member(b))
+        new_k, new_v = coded.rows()
+        self._store(olds, stables, (new_k,), (new_v,), mx.float32)
         for b, m in enumerate(self.members):
             if m.open_key_block and m.stable_until > self.closed[b]:
                 lo, self.closed[b] = max(self.closed[b], m.start), m.stable_until
-                self._reread(b, lo, self.end, keys.dtype)
+                self._reread(b, lo, self.end, mx.float32)
 
     def _reread(self, b: int, lo: int, end: int, dtype: mx.Dtype) -> None:
         """Member ``b``'s rows ``lo..offset`` read again from its cache, ending at column ``end``."""

@@ -162,13 +162,14 @@ class NativeDecoder:
 
     def _append_deferred(self) -> None:
         """The caches' own updates of the layers whose attention read the step's new rows
-        from numpy (``_attention``), with the codes numpy made: handed to MLX together once
-        every layer is done, and evaluated at once. Not in the background while the caller
-        projects the head: MLX's thread then took a core from the head's two-thread product
-        (Gemma 3, batch 4: slower than an update per layer; evaluated here, faster)."""
+        from numpy (``_attention``), with the codes numpy made, once every layer is done:
+        each agent's layer stages its token (written to its blocks later, many at once) and
+        the working set's buffers take the rows, evaluated at once. Not in the background
+        while the caller projects the head: MLX's thread then took a core from the head's
+        two-thread product (Gemma 3, batch 4: slower than an update per layer)."""
         deferred, self._deferred = self._deferred, []
         for c, k, v, coded in deferred:
-            c.advance(mx.array(k[:, :, None, :]), mx.array(v[:, :, None, :]), coded)
+            c.advance(k, v, coded)
         if deferred:
             mx.eval([x for c, *_ in deferred for x in c.arrays()])
 
