@@ -35,6 +35,11 @@ and side by side, for each model and context length:
   the method is written into the JSON). ``--floor-only N`` measures only the floor, N
   times, to show that it repeats.
 
+Every path and batch of one context takes its steps in rounds, one step each in turn,
+with one pass of the floor's own read (``floor_ms_in_rounds``, its best pass): this
+machine's bandwidth moved by a third within minutes, and steps timed one configuration
+after another put that drift into their ratios.
+
 Caches are filled with random K/V of the right shapes (timing does not depend on their
 values), so a 16K context costs seconds to set up instead of minutes of prefill.
 Models: the embedded Gemma 3 270M, and a llama-family model of SmolLM2-135M's shape
@@ -68,7 +73,17 @@ from mlx.utils import tree_map
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import _get_classes
 
-from kvbench.decode_steps import FLOOR_METHOD, bandwidth, describe_bandwidth, fill, kv_bytes, step_ms, weight_bytes
+from kvbench.decode_steps import (
+    FLOOR_METHOD,
+    Stepper,
+    WeightsRead,
+    bandwidth,
+    describe_bandwidth,
+    fill,
+    interleaved_ms,
+    kv_bytes,
+    weight_bytes,
+)
 from kvshelf.kv import working_set
 from kvshelf.kv.agent_cache import AgentCache
 from kvshelf.kv.schemes import DEFAULT_SCHEME, SCHEMES
@@ -206,13 +221,13 @@ def run(
         floors[name] = {**bw, "weight_bytes": wbytes, "floor_ms": round(floor_ms, 1)}
         print(f"\n{name}: {len(spec.layers)} layers, weights {wbytes / 1e9:.3f} GB, floor {floor_ms:.1f} ms/step")
         for context in contexts:
+            # every (path, batch) of this context takes its steps in rounds, one step each,
+            # beside one pass of the floor's own read: the machine drifts over a run
+            runs: list[tuple[str, int, Stepper]] = []
             if "mlx-lm" in paths:
                 peer = make_prompt_cache(model)
                 fill(peer, spec, context, seed=1)
-                t, _ = step_ms(model, [peer], steps, warmup)
-                peer_bytes = kv_bytes([peer])
-                rows.append(_row(name, context, "mlx-lm fp32 KV", 1, t, floor_ms, wbytes, peer_bytes, gbs))
-                del peer
+                runs.append(("mlx-lm fp32 KV", 1, Stepper(model, [peer])))
             schemes = [s for p, s in (("default", DEFAULT_SCHEME), ("q4", "q4-g64-per-token-v1")) if p in paths]
             for scheme in schemes:
                 agents = []
@@ -250,12 +265,24 @@ def run(
                         kinds.append((False, f"{scheme} per-step", model))
                     for working, path, forward in kinds:
                         members = [_clone(layers) for layers in agents[:batch]]
-                        default, working_set.PIPELINE = working_set.PIPELINE, path.endswith(" pipeline")
-                        t, ws_bytes = step_ms(forward, members, steps, warmup, working)
-                        working_set.PIPELINE = default
-                        row = _row(name, context, path, batch, t, floor_ms, wbytes, kv_bytes(members), gbs)
-                        rows.append({**row, "working_set_mb": round(ws_bytes / 1e6, 1)})
+                        kind = PipelinedStepper if path.endswith(" pipeline") else Stepper
+                        runs.append((path, batch, kind(forward, members, working)))
                 del agents
+            floor_read = WeightsRead(model)
+            times = interleaved_ms([stepper for _, _, stepper in runs] + [floor_read], steps, warmup)
+            floor_now = wbytes / floor_read.nbytes * min(times[-1])  # ms: the best pass of the rounds
+            print(f"  {context}: the floor's read in the rounds, best pass {floor_now:.1f} ms")
+            for (path, batch, stepper), t in zip(runs, times):
+                row = _row(name, context, path, batch, t, floor_ms, wbytes, kv_bytes(stepper.agents), gbs)
+                rows.append(
+                    {
+                        **row,
+                        "working_set_mb": round(stepper.ws.nbytes / 1e6, 1),
+                        "floor_ms_in_rounds": round(floor_now, 1),
+                        "x_floor_in_rounds": round(statistics.median(t) / floor_now, 2),
+                    }
+                )
+            del runs
         del model
     load_end = list(os.getloadavg())
     _against_batch_1(rows)
@@ -269,6 +296,18 @@ def run(
         "load_average_at_end": load_end,
         "rows": rows,
     }
+
+
+class PipelinedStepper(Stepper):
+    """A stepper whose steps run with the working set's pipelining on
+    (``kvshelf.kv.working_set.PIPELINE``), and only its steps."""
+
+    def step(self) -> float:
+        default, working_set.PIPELINE = working_set.PIPELINE, True
+        try:
+            return super().step()
+        finally:
+            working_set.PIPELINE = default
 
 
 def floors_only(models: list[str], runs: int) -> dict:

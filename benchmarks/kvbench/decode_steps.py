@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -151,28 +151,77 @@ def cache_arrays(c: Any) -> list[mx.array]:
     return out
 
 
+class Stepper:
+    """Decode steps of these agents together (one token each), one ``step`` at a time: the
+    scheduler's path (``working``: the decode working set kept across steps) or the
+    per-step one. Several steppers can take turns (``interleaved_ms``)."""
+
+    def __init__(self, model: nn.Module | ProjectedModel, agents: list[list[Any]], working: bool = False):
+        self.model, self.agents, self.working = model, agents, working
+        self.ws = WorkingSets()
+        self._x = mx.array([[1]] * len(agents))
+
+    def step(self) -> float:
+        """One step, in ms."""
+        t = time.perf_counter()
+        caches: list[Any]
+        if self.working:
+            caches = self.ws.caches(list(range(len(self.agents))), self.agents)
+        else:
+            caches = self.agents[0] if len(self.agents) == 1 else batch_views(self.agents)
+        logits = self.model(self._x, cache=caches)[:, -1]
+        token = mx.argmax(logits, axis=-1)
+        mx.eval(token, [a for layers in self.agents for c in layers for a in cache_arrays(c)], self.ws.arrays())
+        return (time.perf_counter() - t) * 1e3
+
+
 def step_ms(
     model: nn.Module | ProjectedModel, agents: list[list[Any]], steps: int, warmup: int, working: bool = False
 ) -> tuple[list[float], int]:
     """Milliseconds per decode step for these agents decoding together (one token each),
     and the working set's bytes (``working``: the scheduler's path; else per-step)."""
-    batch = len(agents)
-    x = mx.array([[1]] * batch)
-    times = []
-    ws = WorkingSets()
-    for i in range(warmup + steps):
+    stepper = Stepper(model, agents, working)
+    times = [stepper.step() for _ in range(warmup + steps)][warmup:]
+    return times, stepper.ws.nbytes
+
+
+class Steps(Protocol):
+    def step(self) -> float: ...
+
+
+class WeightsRead:
+    """The floor's own read as a step: one pass of kvshelf's one-row product (on every core)
+    over every 2-D weight of ``model`` (numpy's sum without numba), ``nbytes`` read."""
+
+    def __init__(self, model: nn.Module):
+        params = tree_flatten(model.parameters())
+        assert isinstance(params, list)
+        self._views = [buffer_view(v) for _, v in params if v.ndim == 2 and v.dtype == mx.float32]
+        self._rows = [np.ones((1, v.shape[1]), dtype=np.float32) for v in self._views]
+        self._row = skinny_product()
+        self.nbytes = sum(v.nbytes for v in self._views)
+
+    def step(self) -> float:
         t = time.perf_counter()
-        caches: list[Any]
-        if working:
-            caches = ws.caches(list(range(batch)), agents)
-        else:
-            caches = agents[0] if batch == 1 else batch_views(agents)
-        logits = model(x, cache=caches)[:, -1]
-        token = mx.argmax(logits, axis=-1)
-        mx.eval(token, [a for layers in agents for c in layers for a in cache_arrays(c)], ws.arrays())
-        if i >= warmup:
-            times.append((time.perf_counter() - t) * 1e3)
-    return times, ws.nbytes
+        for w, x in zip(self._views, self._rows):
+            if self._row is not None:
+                self._row(x, w)
+            else:
+                float(w.sum())
+        return (time.perf_counter() - t) * 1e3
+
+
+def interleaved_ms(steppers: Sequence[Steps], steps: int, warmup: int) -> list[list[float]]:
+    """Each stepper's step times, taken in rounds of one step each (after ``warmup`` rounds),
+    so that the machine's drift over the run (its bandwidth here moved by a third within
+    minutes) weighs on every stepper alike and their ratios hold."""
+    times: list[list[float]] = [[] for _ in steppers]
+    for r in range(warmup + steps):
+        for stepper, mine in zip(steppers, times):
+            t = stepper.step()
+            if r >= warmup:
+                mine.append(t)
+    return times
 
 
 def kv_bytes(agents: list[list[Any]]) -> int:
