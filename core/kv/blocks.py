@@ -74,10 +74,6 @@ class CodedRows:
         row = lambda q: (q[0][b], q[1][b], q[2][b])  # noqa: E731
         return (row(self.key_codes) if self.key_codes is not None else None), row(self.value_codes)
 
-    def rows(self) -> tuple[mx.array, mx.array]:
-        """What attention reads of the rows, as MLX arrays (one token per row)."""
-        return mx.array(self.keys[:, :, None, :]), mx.array(self.values[:, :, None, :])
-
 
 _NO_STATE = (
     "a kvshelf KV cache cannot be saved or loaded through mlx-lm's cache state "

@@ -57,6 +57,7 @@ import numpy as np
 
 from kvshelf.kv.batch import BatchLayerView
 from kvshelf.kv.blocks import CodedRows, Codes, QuantizedLayerCache, each
+from kvshelf.model.arrays import buffer_view
 from kvshelf.switches import env_on
 
 # Free columns added whenever a buffer fills up: a grow copies the buffer, so it comes
@@ -161,8 +162,10 @@ class DecodeLayer(BatchLayerView):
         for b, m in enumerate(self.members):
             m.append(keys[b : b + 1], values[b : b + 1], _member_codes(codes, b))
         new_k, new_v = (_rows(x) for x in self.members[0].coded_rows(keys, values, keys.dtype, self._dense, codes))
-        self._store(olds, stables, new_k, new_v, keys.dtype)
         assert self.keys is not None and self.values is not None  # built by _prepare
+        self._write(self.keys, slice(None), self.end, list(new_k))
+        self._write(self.values, slice(None), self.end, list(new_v))
+        self._written(olds, stables, keys.dtype)
         width = max(m.offset - m.start for m in self.members)
         cut = lambda buf: _fetched(tuple(x[..., self.end - width : self.end, :] for x in buf))  # noqa: E731
         return cut(self.keys), cut(self.values)
@@ -175,13 +178,10 @@ class DecodeLayer(BatchLayerView):
         self._make_room()
         return [m.offset for m in self.members], [m.stable_until for m in self.members]
 
-    def _store(self, olds: list[int], stables: list[int], new_k: Rows, new_v: Rows, dtype: mx.Dtype) -> None:
-        """Write the step's rows (every member's, as attention reads them) into the next
-        column, after the members took their tokens; re-read rows that changed."""
-        assert self.keys is not None and self.values is not None
+    def _written(self, olds: list[int], stables: list[int], dtype: mx.Dtype) -> None:
+        """After the step's rows went into the next column (the members took their tokens):
+        re-read the rows that changed, and move on a column."""
         col = self.end
-        self._write(self.keys, slice(None), col, list(new_k))
-        self._write(self.values, slice(None), col, list(new_v))
         for b, m in enumerate(self.members):
             # The new token reads the key blocks closed before its own quantized (the last
             # one closed at the previous step, whose query still read it open: kvschemes),
@@ -226,8 +226,15 @@ class DecodeLayer(BatchLayerView):
         olds, stables = self._prepare(mx.float32)
         for b, m in enumerate(self.members):
             m.stage(keys[b], values[b], coded.member(b))
-        new_k, new_v = coded.rows()
-        self._store(olds, stables, (new_k,), (new_v,), mx.float32)
+        assert self.keys is not None and self.values is not None  # dense: one array each
+        # Written in place through numpy: two MLX operations a layer to build and evaluate
+        # otherwise (about 1 ms of a batch-1 step). These buffers are this layer's alone:
+        # made here (``_build``, ``_make_room``), never handed to MLX as a view that reads
+        # them later (``member_rows``'s are copied by the next run's ``_build``, evaluated
+        # before it writes, and a replaced run is never written again).
+        buffer_view(self.keys[0])[:, :, self.end, :] = coded.keys
+        buffer_view(self.values[0])[:, :, self.end, :] = coded.values
+        self._written(olds, stables, mx.float32)
         for b, m in enumerate(self.members):
             if m.open_key_block and m.stable_until > self.closed[b]:
                 lo, self.closed[b] = max(self.closed[b], m.start), m.stable_until
