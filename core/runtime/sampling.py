@@ -9,7 +9,12 @@ the token that would extend a repeat of the *context*, prompt included: the one 
 stops a small model from copying what it reads. Each is one small scatter-add over the
 few token ids concerned, and a request that sets none of them samples exactly as before.
 
-A ``seed`` gives each request its own random key, so a seeded request samples the
+The choice runs on the step's logits as a numpy row, once MLX has evaluated the step:
+over Gemma 3's 262144-token vocabulary MLX's categorical took 3.4 ms a token (27 ms a
+step for 8 agents) and its top-p argsort 41 ms, numpy's inverse CDF about 1 ms, and the
+nucleus is cut without sorting the whole vocabulary (``_nucleus``).
+
+A ``seed`` gives each request its own generator, so a seeded request samples the
 same tokens however many other requests ran before or beside it.
 """
 
@@ -18,9 +23,12 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Mapping
 
-import mlx.core as mx
+import numpy as np
 
 from kvshelf.runtime.repetition import DryPenalty
+
+# Tokens per chunk of ``Sampler._draw``'s two-level inverse CDF.
+DRAW_CHUNK = 1024
 
 
 class Sampler:
@@ -41,65 +49,97 @@ class Sampler:
             raise ValueError("top_p must be in [0, 1]")
         self.temperature = temperature
         self.top_p = top_p
-        # MLX keys take a seed in [0, 2**64); any int is folded into that range here, in
-        # the caller's thread, so a seed of -1 or 10**30 cannot fail on the scheduler
-        # thread later (where it would fail every request of that step).
+        # Any int is folded into [0, 2**64) here, in the caller's thread, so a seed of -1
+        # or 10**30 cannot fail on the scheduler thread later (where it would fail every
+        # request of that step).
         self._seed = None if seed is None else int(seed) % 2**64
-        self._key: mx.array | None = None  # made on first use, on the scheduler's thread
+        # numpy's generator: the choice runs on the step's logits as numpy rows (MLX's
+        # categorical took 3.4 ms a token over 262144 logits, its top-p sort 41 ms)
+        self._rng = np.random.default_rng(self._seed)
         bias = {int(t): float(b) for t, b in (logit_bias or {}).items() if b}
         self._bias = (list(bias), list(bias.values())) if bias else None
         self.frequency_penalty, self.presence_penalty = float(frequency_penalty), float(presence_penalty)
         self._counts: Counter[int] | None = Counter() if frequency_penalty or presence_penalty else None
         self._dry = dry
 
-    def __call__(self, logits: mx.array) -> mx.array:
-        """``logits``: (vocab,) for one position. Returns a scalar token id array."""
-        logits = self._adjusted(logits)
-        token = self._choose(logits)
+    def __call__(self, logits: np.ndarray) -> int:
+        """``logits``: (vocab,) fp32 for one position. Returns the token id."""
+        token = self._choose(self._adjusted(logits))
         if self._counts is not None:
-            self._counts[int(token)] += 1
+            self._counts[token] += 1
         if self._dry is not None:
-            self._dry.append(int(token))
+            self._dry.append(token)
         return token
 
-    def _adjusted(self, logits: mx.array) -> mx.array:
-        """The logits with logit_bias added and the repetition penalties subtracted."""
+    def _adjusted(self, row: np.ndarray) -> np.ndarray:
+        """The logits with logit_bias added and the repetition penalties subtracted (a copy
+        where any applies: the row is a view of the step's logits)."""
         if self._bias is None and not self._counts and self._dry is None:
-            return logits
-        logits = logits.astype(mx.float32)
+            return row
+        row = row.copy()
         if self._bias is not None:
             ids, amounts = self._bias
-            logits = logits.at[mx.array(ids)].add(mx.array(amounts, dtype=mx.float32))
+            row[ids] += np.asarray(amounts, dtype=np.float32)
         if self._counts:
             ids = list(self._counts)
-            counts = mx.array([self._counts[i] for i in ids], dtype=mx.float32)
-            penalty = self.frequency_penalty * counts + self.presence_penalty
-            logits = logits.at[mx.array(ids)].add(-penalty)
+            counts = np.asarray([self._counts[i] for i in ids], dtype=np.float32)
+            row[ids] -= np.float32(self.frequency_penalty) * counts + np.float32(self.presence_penalty)
         if self._dry is not None:
             ids, amounts = self._dry.penalties()
             if ids:
-                logits = logits.at[mx.array(ids)].add(-mx.array(amounts, dtype=mx.float32))
-        return logits
+                row[ids] -= np.asarray(amounts, dtype=np.float32)
+        return row
 
-    def _choose(self, logits: mx.array) -> mx.array:
+    def _choose(self, row: np.ndarray) -> int:
         if self.temperature == 0 or self.top_p == 0:  # OpenAI's top_p 0 keeps the top token alone
-            return mx.argmax(logits, axis=-1)
-        logits = logits.astype(mx.float32) / self.temperature
+            return int(np.argmax(row))
+        z = row / np.float32(self.temperature)
+        top = z.max()
+        if not np.isfinite(top):  # every token banned (-inf) or a NaN: nothing to weigh
+            return int(np.argmax(row))
+        weights = np.exp(z - top)
         if self.top_p < 1.0:
-            order = mx.argsort(-logits, axis=-1)
-            sorted_logits = mx.take(logits, order, axis=-1)
-            probs = mx.softmax(sorted_logits, axis=-1)
-            cumulative = mx.cumsum(probs, axis=-1)
-            keep = (cumulative - probs) < self.top_p  # always keeps the most likely token
-            sorted_logits = mx.where(keep, sorted_logits, -mx.inf)
-            choice = self._categorical(sorted_logits)
-            return mx.take(order, choice, axis=-1)
-        return self._categorical(logits)
+            kept = _nucleus(weights, self.top_p)
+            return int(kept[self._draw(weights[kept])])
+        return self._draw(weights)
 
-    def _categorical(self, logits: mx.array) -> mx.array:
-        if self._seed is None:
-            return mx.random.categorical(logits)
-        if self._key is None:
-            self._key = mx.random.key(self._seed)
-        self._key, sub = mx.random.split(self._key)
-        return mx.random.categorical(logits, key=sub)
+    def _draw(self, weights: np.ndarray) -> int:
+        """An index drawn with probability proportional to ``weights`` (inverse CDF; a
+        weight of 0 is never drawn): first the ``DRAW_CHUNK``-wide chunk from the chunks'
+        sums, then the index inside it (a float64 cumulative sum of the whole vocabulary
+        took 2.6 ms, the chunks' sums 0.1)."""
+        n = len(weights)
+        full = n // DRAW_CHUNK * DRAW_CHUNK
+        sums = weights[:full].reshape(-1, DRAW_CHUNK).sum(axis=1, dtype=np.float64)
+        if full < n:
+            sums = np.append(sums, weights[full:].sum(dtype=np.float64))
+        bounds = np.cumsum(sums)
+        u = self._rng.random() * bounds[-1]
+        c = min(int(np.searchsorted(bounds, u, side="right")), len(sums) - 1)  # a chunk of weight > 0
+        chunk = weights[c * DRAW_CHUNK : (c + 1) * DRAW_CHUNK]
+        inside = np.cumsum(chunk, dtype=np.float64)
+        i = int(np.searchsorted(inside, u - (bounds[c - 1] if c else 0.0), side="right"))
+        if i >= len(chunk) or chunk[i] == 0:  # past the chunk's end by rounding: its last token of weight > 0
+            i = int(np.flatnonzero(chunk)[-1])
+        return c * DRAW_CHUNK + i
+
+
+def _nucleus(weights: np.ndarray, top_p: float) -> np.ndarray:
+    """The most likely tokens, most likely first, up to and including the one whose
+    cumulative probability reaches ``top_p`` (so never empty).
+
+    Without sorting the whole vocabulary (262144 tokens: 41 ms a token through MLX's
+    argsort): the tokens above a cut-off, if they hold ``top_p`` of the mass between them,
+    hold the whole nucleus, since it takes tokens in order of probability. The cut-off
+    falls a thousandfold until they do (at 0: every token)."""
+    target = top_p * float(weights.sum(dtype=np.float64))
+    cut = float(weights.max()) * 1e-3
+    while True:
+        candidates = np.flatnonzero(weights >= cut) if cut > 0 else np.arange(len(weights))
+        if cut == 0 or float(weights[candidates].sum(dtype=np.float64)) >= target:
+            break
+        cut = cut * 1e-3 if cut > 1e-30 else 0.0
+    order = candidates[np.argsort(-weights[candidates], kind="stable")]
+    w = weights[order]
+    before = np.cumsum(w, dtype=np.float64) - w  # the mass of the tokens more likely than each
+    return order[: max(1, int(np.count_nonzero(before < target)))]

@@ -464,11 +464,11 @@ class Scheduler:
         held = [_cache_of(r) for r in batch]
         caches = self._working.caches(batch, [c.layers for c in held])
         logits = self._forward(batch)(x, cache=caches)[:, -1]
-        # Every member's choice joins the step's graph, so one evaluation computes the step
-        # and all next tokens: no sync per member (each sampler still reads its own row).
-        chosen = mx.stack([self._choose(r, logits[b]) for b, r in enumerate(batch)])
-        mx.eval(chosen, [a for c in held for a in c.arrays()], self._working.arrays())
-        tokens = [int(t) for t in np.asarray(chosen)]
+        # One evaluation computes the step; then each member chooses from its own row
+        # (numpy, ``kvshelf.runtime.sampling``).
+        mx.eval(logits, [a for c in held for a in c.arrays()], self._working.arrays())
+        rows = _numpy_rows(logits)
+        tokens = [self._choose(r, rows[b]) for b, r in enumerate(batch)]
         for r, c, token in zip(batch, held, tokens):
             c.tokens.append(r.next_token)  # type: ignore[arg-type]
             self._take(r, token)
@@ -477,15 +477,15 @@ class Scheduler:
     # -- per-token bookkeeping ------------------------------------------------------------
     def _accept(self, r: Request, logits: mx.array) -> None:
         """Sample the next token, stream text, and decide whether ``r`` goes on."""
-        self._take(r, int(self._choose(r, logits)))
+        self._take(r, self._choose(r, _numpy_rows(logits)))
 
     @staticmethod
-    def _choose(r: Request, logits: mx.array) -> mx.array:
-        """``r``'s next token from its logits, as a (lazy) scalar array."""
+    def _choose(r: Request, logits: np.ndarray) -> int:
+        """``r``'s next token from its logits."""
         assert r.sampler is not None
         if r.constraint is not None:  # the only hook of constrained decoding: mask, then sample
             logits = r.constraint.masked(logits)
-        return r.sampler(logits).reshape(())
+        return r.sampler(logits)
 
     def _take(self, r: Request, token: int) -> None:
         """Stream ``token``'s text and decide whether ``r`` goes on."""
@@ -605,3 +605,9 @@ def _cache_of(r: Request) -> AgentCache:
     """The cache of a request past its prefill (always set by then)."""
     assert r.cache is not None
     return r.cache
+
+
+def _numpy_rows(logits: mx.array) -> np.ndarray:
+    """The step's logits as numpy (fp32; no copy where they are fp32 already), for the
+    samplers to choose from."""
+    return np.asarray(logits if logits.dtype == mx.float32 else logits.astype(mx.float32))

@@ -28,7 +28,6 @@ import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import llguidance
-import mlx.core as mx
 import numpy as np
 from tokenizers import Tokenizer
 
@@ -111,7 +110,7 @@ class TokenConstraint:
         self.waited_s += time.perf_counter() - t0
         return np.unpackbits(np.frombuffer(bits, dtype=np.uint8), bitorder="little")[: self._size].astype(bool)
 
-    def masked(self, logits: mx.array) -> mx.array:
+    def masked(self, logits: np.ndarray) -> np.ndarray:
         """``logits`` (vocab,) with every token the grammar refuses set to -inf (a
         validator's: as they are)."""
         if not self.grammar.enforced:
@@ -122,7 +121,7 @@ class TokenConstraint:
             allowed = np.pad(allowed, (0, max(0, width - allowed.shape[0])))[:width]
         if not allowed.any():  # an error state: only the reply's end is left
             log.warning("constrained decoding: the grammar admits no token (%s)", self._matcher.get_error())
-        return mx.where(mx.array(allowed), logits, mx.array(-mx.inf, dtype=logits.dtype))
+        return np.where(allowed, logits, logits.dtype.type(-np.inf))
 
     def advance(self, token: int) -> bool:
         """Accept the sampled ``token``; True when the reply is complete (or cannot go on).
