@@ -227,7 +227,7 @@ def run(
             if "mlx-lm" in paths:
                 peer = make_prompt_cache(model)
                 fill(peer, spec, context, seed=1)
-                runs.append(("mlx-lm fp32 KV", 1, Stepper(model, [peer])))
+                runs.append(("mlx-lm fp32 KV", 1, Stepper(model, [peer], peer=True)))
             schemes = [s for p, s in (("default", DEFAULT_SCHEME), ("q4", "q4-g64-per-token-v1")) if p in paths]
             for scheme in schemes:
                 agents = []

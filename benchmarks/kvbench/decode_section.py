@@ -53,7 +53,7 @@ def run(ctx: BenchContext) -> dict:
     for context in s.decode_contexts:
         peer = make_prompt_cache(model)
         fill(peer, spec, context, seed=1)
-        times, _ = step_ms(model, [peer], s.decode_steps, s.decode_warmup)
+        times, _ = step_ms(model, [peer], s.decode_steps, s.decode_warmup, peer=True)
         row(context, "mlx-lm fp32 KV", 1, times)
         del peer
         agents = []

@@ -26,8 +26,10 @@ from kvshelf.model.head import ProjectedModel, buffer_view
 from kvshelf.model.sgemv import system_sgemv
 from kvshelf.model.skinny import skinny_product
 from kvshelf.model.spec import ModelCacheSpec
+from kvshelf.runtime.sampling import Sampler
 
 FILL_CHUNK = 1024
+GREEDY = Sampler()  # the scheduler's choice at temperature 0
 
 
 def weight_bytes(model: nn.Module) -> int:
@@ -156,8 +158,13 @@ class Stepper:
     scheduler's path (``working``: the decode working set kept across steps) or the
     per-step one. Several steppers can take turns (``interleaved_ms``)."""
 
-    def __init__(self, model: nn.Module | ProjectedModel, agents: list[list[Any]], working: bool = False):
+    def __init__(
+        self, model: nn.Module | ProjectedModel, agents: list[list[Any]], working: bool = False, peer: bool = False
+    ):
         self.model, self.agents, self.working = model, agents, working
+        # kvshelf's scheduler chooses each agent's token from the evaluated step's numpy rows
+        # (``kvshelf.runtime.sampling``); mlx-lm (``peer``) takes MLX's argmax
+        self.peer = peer
         self.ws = WorkingSets()
         self._x = mx.array([[1]] * len(agents))
 
@@ -170,17 +177,28 @@ class Stepper:
         else:
             caches = self.agents[0] if len(self.agents) == 1 else batch_views(self.agents)
         logits = self.model(self._x, cache=caches)[:, -1]
-        token = mx.argmax(logits, axis=-1)
-        mx.eval(token, [a for layers in self.agents for c in layers for a in cache_arrays(c)], self.ws.arrays())
+        state = [a for layers in self.agents for c in layers for a in cache_arrays(c)], self.ws.arrays()
+        if self.peer:
+            mx.eval(mx.argmax(logits, axis=-1), *state)
+        else:
+            mx.eval(logits, *state)
+            rows = np.asarray(logits)
+            for row in rows:
+                GREEDY(row)
         return (time.perf_counter() - t) * 1e3
 
 
 def step_ms(
-    model: nn.Module | ProjectedModel, agents: list[list[Any]], steps: int, warmup: int, working: bool = False
+    model: nn.Module | ProjectedModel,
+    agents: list[list[Any]],
+    steps: int,
+    warmup: int,
+    working: bool = False,
+    peer: bool = False,
 ) -> tuple[list[float], int]:
     """Milliseconds per decode step for these agents decoding together (one token each),
     and the working set's bytes (``working``: the scheduler's path; else per-step)."""
-    stepper = Stepper(model, agents, working)
+    stepper = Stepper(model, agents, working, peer=peer)
     times = [stepper.step() for _ in range(warmup + steps)][warmup:]
     return times, stepper.ws.nbytes
 
