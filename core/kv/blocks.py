@@ -33,7 +33,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generic, TypeVar, overload
 
 import mlx.core as mx
 import numpy as np
@@ -144,6 +144,32 @@ def pairwise(a: QTriple, b: QTriple, fn: Callable[[mx.array, mx.array], mx.array
     return fn(a[0], b[0]), fn(a[1], b[1]), fn(a[2], b[2])
 
 
+T = TypeVar("T")
+
+
+class Settled(Generic[T]):
+    """A layer cache's buffer field (stored as ``_<name>``): reading or writing it first
+    writes the tokens the cache holds staged (``QuantizedLayerCache.stage``), so nothing
+    outside the cache sees a buffer without them."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self._raw = "_" + name
+
+    @overload
+    def __get__(self, obj: None, owner: type) -> Settled[T]: ...
+    @overload
+    def __get__(self, obj: object, owner: type) -> T: ...
+    def __get__(self, obj: Any, owner: type) -> Any:
+        if obj is None:
+            return self
+        obj._settle()
+        return getattr(obj, self._raw)
+
+    def __set__(self, obj: Any, value: T) -> None:
+        obj._settle()
+        setattr(obj, self._raw, value)
+
+
 def _stacked(rows: list[np.ndarray]) -> mx.array:
     """One token's (heads, x) rows each, as one (1, heads, tokens, x) MLX array."""
     return mx.array(np.stack(rows, axis=1)[None])
@@ -246,47 +272,11 @@ class QuantizedLayerCache(PackedFetch, _BaseCache):
         keep_from = position - self.window + 1 - BLOCK_TOKENS
         return max(self._start, keep_from // BLOCK_TOKENS * BLOCK_TOKENS)
 
-    @property
-    def keys(self) -> QTriple | None:
-        self._settle()
-        return self._keys
-
-    @keys.setter
-    def keys(self, value: QTriple | None) -> None:
-        self._settle()
-        self._keys = value
-
-    @property
-    def values(self) -> QTriple | None:
-        self._settle()
-        return self._values
-
-    @values.setter
-    def values(self, value: QTriple | None) -> None:
-        self._settle()
-        self._values = value
-
-    @property
-    def start(self) -> int:
-        """Absolute position of row 0 (a block boundary)."""
-        self._settle()
-        return self._start
-
-    @start.setter
-    def start(self, value: int) -> None:
-        self._settle()
-        self._start = value
-
-    @property
-    def base(self) -> SharedLayer | None:
-        """Rows 0..base_rows-1 live in this shared base; own buffer row i is row base_rows+i."""
-        self._settle()
-        return self._base
-
-    @base.setter
-    def base(self, value: SharedLayer | None) -> None:
-        self._settle()
-        self._base = value
+    keys: Settled[QTriple | None] = Settled()
+    values: Settled[QTriple | None] = Settled()
+    start: Settled[int] = Settled()  # absolute position of row 0 (a block boundary)
+    # rows 0..base_rows-1 live in this shared base; own buffer row i is row base_rows+i
+    base: Settled[SharedLayer | None] = Settled()
 
     def arrays(self) -> list[mx.array]:
         """Every array this cache holds alone, to evaluate after a step (staged tokens are

@@ -47,6 +47,7 @@ from kvshelf.kv.blocks import (
     QTriple,
     QuantizedLayerCache,
     RowCodes,
+    Settled,
     SharedLayer,
     each,
 )
@@ -125,16 +126,7 @@ class SchemeLayerCache(QuantizedLayerCache):
         self.sink_k: mx.array | None = None  # fp16 K/V of positions 0..sinks-1
         self.sink_v: mx.array | None = None
 
-    @property
-    def k_tail(self) -> mx.array | None:
-        """fp16 keys of the partial last block (settles staged tokens, as ``keys`` does)."""
-        self._settle()
-        return self._k_tail
-
-    @k_tail.setter
-    def k_tail(self, value: mx.array | None) -> None:
-        self._settle()
-        self._k_tail = value
+    k_tail: Settled[mx.array | None] = Settled()  # fp16 keys of the partial last block
 
     def stage(self, keys: np.ndarray, values: np.ndarray, codes: RowCodes) -> None:
         super().stage(keys, values, codes)
