@@ -87,3 +87,15 @@ def test_a_clone_with_staged_tokens_keeps_its_own(name):
         _stage_one(twin, k[t], v[t])
         _append_one(reference, k[t], v[t])
     _same(twin, reference)
+
+
+def test_staged_tokens_count_in_the_cache_bytes():
+    """The pool's budget sees a staged token's numpy rows before they are written."""
+    cache = SCHEMES["q4-g64-kivi-rotv"].make(SPECS["full"])
+    k, v = _tokens(20, seed=4)
+    for t in range(5):
+        _append_one(cache, k[t], v[t])
+    held = cache.nbytes
+    for t in range(5, 15):
+        _stage_one(cache, k[t], v[t])
+    assert cache.nbytes >= held + 10 * (k[0].nbytes + v[0].nbytes)  # the buffers' own room did not grow

@@ -571,8 +571,14 @@ class QuantizedLayerCache(PackedFetch, _BaseCache):
 
     @property
     def nbytes(self) -> int:
-        """Bytes this cache holds alone (a shared base is counted once, by the pool)."""
-        return sum(x.nbytes for x in self.arrays())
+        """Bytes this cache holds alone (a shared base is counted once, by the pool), its
+        staged tokens' numpy rows included (up to ``STAGED_MAX`` of them, alike in shape)."""
+        staged = 0
+        if self._staged:
+            k, v, (key_codes, value_codes) = self._staged[0]
+            row = k.nbytes + v.nbytes + sum(x.nbytes for x in (*(key_codes or ()), *value_codes))
+            staged = row * len(self._staged)
+        return sum(x.nbytes for x in self.arrays()) + staged
 
     # -- persistence -----------------------------------------------------------------
     # The record format (tensor names, header, checks) lives in ``kvshelf.kv.record``;
