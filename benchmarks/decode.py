@@ -269,7 +269,7 @@ def run(
                         runs.append((path, batch, kind(forward, members, working)))
                 del agents
             floor_read = WeightsRead(model)
-            times = interleaved_ms([stepper for _, _, stepper in runs] + [floor_read], steps, warmup)
+            times = interleaved_ms([stepper.step for _, _, stepper in runs] + [floor_read.step], steps, warmup)
             floor_now = wbytes / floor_read.nbytes * min(times[-1])  # ms: the best pass of the rounds
             print(f"  {context}: the floor's read in the rounds, best pass {floor_now:.1f} ms")
             for (path, batch, stepper), t in zip(runs, times):

@@ -13,7 +13,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -65,21 +65,20 @@ def _stats(nbytes: int, seconds: list[float]) -> dict[str, float]:
     }
 
 
-def _timed(fn: Callable[[], Any]) -> float:
-    t = time.perf_counter()
-    fn()
-    return time.perf_counter() - t
+def _timed_ms(fn: Callable[[], Any]) -> Callable[[], float]:
+    def timed() -> float:
+        t = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t) * 1e3
+
+    return timed
 
 
 def _interleaved(reads: dict[str, tuple[int, Callable[[], Any]]], repeats: int) -> dict[str, dict[str, float]]:
-    """Every read warmed once, then ``repeats`` rounds of one timed pass of each."""
-    for _, fn in reads.values():
-        fn()  # untimed: first touch of the pages, MLX's kernel build
-    seconds: dict[str, list[float]] = {name: [] for name in reads}
-    for _ in range(repeats):
-        for name, (_, fn) in reads.items():
-            seconds[name].append(_timed(fn))
-    return {name: _stats(nbytes, seconds[name]) for name, (nbytes, _) in reads.items()}
+    """Every read warmed once (first touch of the pages, MLX's kernel build), then
+    ``repeats`` rounds of one timed pass of each."""
+    ms = interleaved_ms([_timed_ms(fn) for _, fn in reads.values()], repeats, warmup=1)
+    return {name: _stats(nbytes, [t / 1e3 for t in times]) for (name, (nbytes, _)), times in zip(reads.items(), ms)}
 
 
 def bandwidth(model: nn.Module | None = None, megabytes: int = STREAM_MB, repeats: int = REPEATS) -> dict[str, Any]:
@@ -96,10 +95,8 @@ def bandwidth(model: nn.Module | None = None, megabytes: int = STREAM_MB, repeat
     }
     out: dict[str, Any] = {"method": FLOOR_METHOD, "stream_mb": megabytes, "repeats": repeats}
     if model is not None:
-        params = tree_flatten(model.parameters())
-        assert isinstance(params, list)
-        views = [buffer_view(v) for _, v in params if v.ndim == 2 and v.dtype == mx.float32]
-        wbytes = sum(v.nbytes for v in views)
+        weights = WeightsRead(model)
+        views, wbytes = weights.views, weights.nbytes
         out["weights_read_mb"] = round(wbytes / 1e6, 1)
         sgemv = system_sgemv()
         if sgemv is not None:
@@ -108,10 +105,8 @@ def bandwidth(model: nn.Module | None = None, megabytes: int = STREAM_MB, repeat
         reads["weights_numpy_sum"] = (wbytes, lambda: [float(v.sum()) for v in views])
         # the batch-1 step's own kernel on both cores: numpy's sum reads on one thread only,
         # so without this the floor could lie above what the step itself was seen to read
-        row = skinny_product()
-        if row is not None:
-            rows = [np.ones((1, v.shape[1]), dtype=np.float32) for v in views]
-            reads["weights_skinny_row"] = (wbytes, lambda: [row(x, w) for w, x in zip(views, rows)])
+        if weights.row is not None:
+            reads["weights_skinny_row"] = (wbytes, weights.step)
     readings = _interleaved(reads, repeats)
     chosen = max(readings, key=lambda k: readings[k]["best_gbs"])
     out.update(readings=readings, chosen=chosen, gbs=readings[chosen]["best_gbs"])
@@ -203,40 +198,37 @@ def step_ms(
     return times, stepper.ws.nbytes
 
 
-class Steps(Protocol):
-    def step(self) -> float: ...
-
-
 class WeightsRead:
-    """The floor's own read as a step: one pass of kvshelf's one-row product (on every core)
-    over every 2-D weight of ``model`` (numpy's sum without numba), ``nbytes`` read."""
+    """The floor's own read as a step: one pass of kvshelf's one-row product (``row``, on
+    every core) over every 2-D weight of ``model`` (``views``; numpy's sum without numba),
+    ``nbytes`` read."""
 
     def __init__(self, model: nn.Module):
         params = tree_flatten(model.parameters())
         assert isinstance(params, list)
-        self._views = [buffer_view(v) for _, v in params if v.ndim == 2 and v.dtype == mx.float32]
-        self._rows = [np.ones((1, v.shape[1]), dtype=np.float32) for v in self._views]
-        self._row = skinny_product()
-        self.nbytes = sum(v.nbytes for v in self._views)
+        self.views = [buffer_view(v) for _, v in params if v.ndim == 2 and v.dtype == mx.float32]
+        self._rows = [np.ones((1, v.shape[1]), dtype=np.float32) for v in self.views]
+        self.row = skinny_product()
+        self.nbytes = sum(v.nbytes for v in self.views)
 
     def step(self) -> float:
         t = time.perf_counter()
-        for w, x in zip(self._views, self._rows):
-            if self._row is not None:
-                self._row(x, w)
+        for w, x in zip(self.views, self._rows):
+            if self.row is not None:
+                self.row(x, w)
             else:
                 float(w.sum())
         return (time.perf_counter() - t) * 1e3
 
 
-def interleaved_ms(steppers: Sequence[Steps], steps: int, warmup: int) -> list[list[float]]:
-    """Each stepper's step times, taken in rounds of one step each (after ``warmup`` rounds),
-    so that the machine's drift over the run (its bandwidth here moved by a third within
-    minutes) weighs on every stepper alike and their ratios hold."""
-    times: list[list[float]] = [[] for _ in steppers]
-    for r in range(warmup + steps):
-        for stepper, mine in zip(steppers, times):
-            t = stepper.step()
+def interleaved_ms(steps: Sequence[Callable[[], float]], rounds: int, warmup: int) -> list[list[float]]:
+    """Each step's times in ms (a step returns its own), taken in rounds of one call each
+    (after ``warmup`` rounds), so that the machine's drift over the run (its bandwidth here
+    moved by a third within minutes) weighs on every step alike and their ratios hold."""
+    times: list[list[float]] = [[] for _ in steps]
+    for r in range(warmup + rounds):
+        for step, mine in zip(steps, times):
+            t = step()
             if r >= warmup:
                 mine.append(t)
     return times
