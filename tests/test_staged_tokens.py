@@ -99,3 +99,5 @@ def test_staged_tokens_count_in_the_cache_bytes():
     for t in range(5, 15):
         _stage_one(cache, k[t], v[t])
     assert cache.nbytes >= held + 10 * (k[0].nbytes + v[0].nbytes)  # the buffers' own room did not grow
+    cache.settle()  # what a request's end does (``Shelf.give_back``): nothing left staged
+    assert cache.nbytes == sum(x.nbytes for x in cache.arrays())

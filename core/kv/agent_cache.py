@@ -154,6 +154,12 @@ class AgentCache:
             self.drop_unused_share()
         return keep
 
+    def settle(self) -> None:
+        """Write every layer's staged tokens (``QuantizedLayerCache.stage``): a cache at rest
+        holds none, so its bytes, listed when it is put back, stay what they are."""
+        for c in self.layers:
+            c.settle()
+
     def arrays(self) -> list[mx.array]:
         """Every array the caches hold alone (to evaluate after a forward pass)."""
         return [x for c in self.layers for x in c.arrays()]

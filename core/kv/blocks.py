@@ -162,11 +162,11 @@ class Settled(Generic[T]):
     def __get__(self, obj: Any, owner: type) -> Any:
         if obj is None:
             return self
-        obj._settle()
+        obj.settle()
         return getattr(obj, self._raw)
 
     def __set__(self, obj: Any, value: T) -> None:
-        obj._settle()
+        obj.settle()
         setattr(obj, self._raw, value)
 
 
@@ -234,7 +234,7 @@ class QuantizedLayerCache(PackedFetch, _BaseCache):
     # -- staged tokens ---------------------------------------------------------------
     # A decode step that codes its tokens on numpy rows (``kvshelf.kv.working_set``) hands
     # each agent's token over with ``stage``: the offset moves at once, the buffers are
-    # written at the next read of any of them (``_settle``), all staged tokens in one
+    # written at the next read of any of them (``settle``), all staged tokens in one
     # append. Per token and layer, an append is a dozen MLX operations to build and
     # evaluate, which for 8 agents cost about 10 of a 90 ms step; one append of many
     # tokens gives the same buffers (every row is coded on its own; per-channel key blocks
@@ -250,10 +250,11 @@ class QuantizedLayerCache(PackedFetch, _BaseCache):
         self._staged.append((keys, values, codes))
         self.offset += 1
         if len(self._staged) >= self.STAGED_MAX or self._keys is None or self.own_rows_at(self.offset - 1):
-            self._settle()
+            self.settle()
 
-    def _settle(self) -> None:
-        """Write the staged tokens: one append, as if each had been appended on its arrival."""
+    def settle(self) -> None:
+        """Write the staged tokens: one append, as if each had been appended on its arrival
+        (any read of the buffers does it; an agent's cache also does when its request ends)."""
         if not self._staged:
             return
         staged, self._staged = self._staged, []
@@ -326,7 +327,7 @@ class QuantizedLayerCache(PackedFetch, _BaseCache):
 
         ``codes``: ``code_rows(keys, values)``, when the caller has them already (a decode
         step codes its members' new rows once, together)."""
-        self._settle()
+        self.settle()
         codes = codes if codes is not None else self.code_rows(keys, values)
         self._append(keys, values, codes, self.start_after(keys.shape[2]))
 
@@ -505,7 +506,7 @@ class QuantizedLayerCache(PackedFetch, _BaseCache):
 
     def clone(self) -> QuantizedLayerCache:
         """A copy that shares every array (and the base) until either side writes."""
-        self._settle()
+        self.settle()
         twin = copy.copy(self)
         twin._staged = []  # its own list: a token staged on one side is not the other's
         if self.keys is not None and self.values is not None:  # new objects: writes go through ``x[...] = y``

@@ -131,7 +131,7 @@ class SchemeLayerCache(QuantizedLayerCache):
     def stage(self, keys: np.ndarray, values: np.ndarray, codes: RowCodes) -> None:
         super().stage(keys, values, codes)
         if self.scheme.channel_keys and self._staged and self.stable_until == self.offset:
-            self._settle()  # the token closed its key block: quantize it now, as an append would
+            self.settle()  # the token closed its key block: quantize it now, as an append would
 
     def arrays(self) -> list[mx.array]:
         return super().arrays() + [x for x in (self._k_tail, self.sink_k, self.sink_v) if x is not None]

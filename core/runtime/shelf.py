@@ -211,6 +211,7 @@ class Shelf:
             log.warning("agent %s: interrupted mid-forward; dropping its RAM cache", aid)
             self.pool.pop(aid)
             return _done(False if self.durable else None)
+        cache.settle()  # before the pool lists its bytes (the save would settle it after)
         self.pool.put(aid, cache)
         saving = self.save_behind(aid, cache)
         self.enforce_budget()
