@@ -104,12 +104,15 @@ def test_a_row_has_the_same_bits_alone_and_among_others(product, n, k):
         assert np.all(np.abs(got.astype(np.float64) - weight.astype(np.float64) @ row.astype(np.float64)) <= bound)
 
 
-@pytest.mark.parametrize(("n", "k"), [(1024, 640), (1003, 640), (257, 2051), (640, 2048), (3, 5)])
+@pytest.mark.parametrize(
+    ("n", "k"), [(1024, 640), (1003, 640), (257, 2051), (640, 2048), (192, 576), (96, 33), (7, 64), (3, 5)]
+)
 def test_the_invariant_blocks_give_a_row_its_bits_in_a_decode_step_and_in_a_prefill_chunk(n, k):
     """What the temperature-0 layers run: a row alone (a decode step), among 2..8 (a batch)
     and in a 256-row chunk at any position has the same bits, within the bound of the exact
     product; weight row counts that are not a multiple of the tile (whose last tile moves
-    back) and fewer weight rows than a tile included."""
+    back) and fewer weight rows than a tile included. A lone row runs its own loop
+    (``ALONE_WEIGHT_ROWS``) where that keeps its bits: this is the check that it does."""
     invariant = invariant_blocked_product()
     assert invariant is not None, "numba is a dependency: the invariant blocks must pass their check"
     rng = np.random.default_rng(n + 7 * k)
