@@ -5,14 +5,16 @@ is ``tests/test_invariance.py::test_attention_rows_do_not_depend_on_the_call``."
 from __future__ import annotations
 
 import mlx.core as mx
+import numpy as np
 import pytest
 from mlx_lm.models.cache import KVCache
 
+from kvshelf.model.arrays import buffer_view
 from kvshelf.model.attention import InvariantAttention
 from kvshelf.model.gemv import with_fast_linears
 from kvshelf.model.head import ProjectedModel
 from kvshelf.model.loader import load
-from kvshelf.model.ordered_attention import ordered_attention, ordered_attention_available
+from kvshelf.model.ordered_attention import ordered_attention, ordered_attention_available, pitched_rows
 from tests.support.qkv import random_qkv
 from tests.support.tiny import make_tiny_model_dir
 
@@ -49,6 +51,28 @@ def test_a_row_that_sees_no_key_gives_zeros_and_the_others_their_own_bits():
     assert mx.array_equal(alone[:, :, 0], out[:, :, 0]).item()
     want = mx.fast.scaled_dot_product_attention(q[:, :, :1], k, v, scale=0.2)
     assert mx.allclose(alone, want, rtol=1e-5, atol=1e-6).item()
+
+
+@pytest.mark.parametrize("members", [1, 3])
+def test_the_last_columns_of_a_longer_buffer_are_read_in_place_with_the_same_bits(members):
+    """A decode working set hands attention the last columns of a longer buffer: they are
+    read where they lie (no copy) and every row has the bits it gets from a copy of them,
+    for one member and for several (each member's rows a buffer apart)."""
+    rng = np.random.default_rng(members)
+    heads, kv, used, capacity, d = 6, 2, 37, 64, 32
+    q = mx.array(rng.standard_normal((members, heads, 1, d)).astype(np.float32))
+    k_buf, v_buf = (mx.array(rng.standard_normal((members, kv, capacity, d)).astype(np.float32)) for _ in range(2))
+    k, v = k_buf[:, :, capacity - used :], v_buf[:, :, capacity - used :]
+    rows, pitch = pitched_rows(k)
+    assert pitch == capacity and np.shares_memory(rows, buffer_view(k_buf))
+    seen = mx.array(rng.random((members, 1, 1, used)) < 0.8)
+    in_place = ordered_attention(q, k, v, 0.3, seen)
+    copied = ordered_attention(q, mx.array(np.array(k)), mx.array(np.array(v)), 0.3, seen)
+    assert mx.array_equal(in_place, copied).item()
+    dense = mx.fast.scaled_dot_product_attention(
+        q, mx.repeat(k, heads // kv, 1), mx.repeat(v, heads // kv, 1), scale=0.3, mask=seen
+    )
+    assert mx.allclose(in_place, dense, rtol=1e-5, atol=1e-6).item()
 
 
 def test_bad_masks_and_shapes_are_refused():
