@@ -5,6 +5,8 @@ a record and batch membership changes; batched greedy decode equals one-by-one."
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -14,6 +16,7 @@ from kvshelf.kv.batch import batch_views
 from kvshelf.kv.record import agent_cache_from_record, agent_record
 from kvshelf.kv.schemes import DEFAULT_SCHEME, SCHEMES
 from kvshelf.kv.working_set import WorkingSets
+from kvshelf.model.gemv import with_fast_linears
 from kvshelf.model.loader import load
 from kvshelf.model.spec import BLOCK_TOKENS
 from kvshelf.runtime.pool import BlockPool
@@ -133,6 +136,30 @@ def test_a_batch_is_bit_identical_to_batch_views_through_joins_and_leaves(models
     working = WorkingSets()
     _, got = decode(loaded, forks, list(firsts), STEPS, working, schedule)
     assert_identical(got, want)
+
+
+@pytest.mark.parametrize("kind", ["llama", "gemma3_text"])
+def test_temperature_zero_steps_code_their_rows_and_read_the_buffer_in_place(models, kind):
+    """The temperature-0 kernels' step over a working set codes its rows in numpy, writes
+    them into the buffer and attends to it in place (``InvariantAttention``,
+    ``DecodeLayer.columns_with``), the tokens staged: the same bits as the per-step path
+    through joins and leaves, a key block closing and a window move, and a row's bits are
+    the same alone and beside another agent (what temperature 0 promises)."""
+    fast = with_fast_linears(models[kind].model, all_rows=True, attention=True)
+    loaded = SimpleNamespace(model=fast, spec=models[kind].spec)
+    agents, firsts = zip(*(prefilled(loaded, DEFAULT_SCHEME, prompt(n, 40 + i)) for i, n in enumerate([500, 230])))
+
+    def schedule(i: int) -> list[int]:  # agent 1 leaves for a while and comes back
+        return [0, 1] if i < 10 or i >= 25 else [0]
+
+    forks, alone = [a.fork() for a in agents], agents[0].fork()
+    _, want = decode(loaded, list(agents), list(firsts), STEPS, None, schedule)
+    _, got = decode(loaded, forks, list(firsts), STEPS, WorkingSets(), schedule)
+    assert_identical(got, want)
+    # the tokens since the key block closed at 512 are staged, not appended through MLX
+    assert all(layer._staged for layer in forks[0].layers)
+    _, by_itself = decode(loaded, [alone], [firsts[0]], STEPS, WorkingSets())
+    assert_identical(by_itself, got[:1])
 
 
 @pytest.mark.parametrize("scheme", SCHEME_NAMES)

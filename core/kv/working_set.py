@@ -216,6 +216,19 @@ class DecodeLayer(BatchLayerView):
         width = max(m.offset + 1 - m.start_after(1) for m in self.members)
         return self.keys, self.values, self.end - (width - 1), self.end
 
+    def columns_with(self, coded: CodedRows) -> tuple[Rows, Rows, int, int]:
+        """For a step whose attention reads one array of columns, its own tokens' included
+        (the temperature-0 kernels' ordered attention): room made, this step's rows as
+        attention reads them (``coded``, their ``read_back``) written into the next column in
+        place, and the buffers with the columns ``lo..end`` the step's queries read: what
+        ``update_and_fetch`` would return, without its MLX operations. ``advance`` then
+        appends the tokens (and writes that column again, with the same rows)."""
+        self._prepare(mx.float32)
+        keys, values, lo, end = self.previous_columns(mx.float32)
+        buffer_view(keys[0])[:, :, end, :] = coded.keys
+        buffer_view(values[0])[:, :, end, :] = coded.values
+        return keys, values, lo, end + 1
+
     def advance(self, keys: np.ndarray, values: np.ndarray, coded: CodedRows) -> None:
         """Append a step's tokens (fp32 rows, one per member: batch x heads x dim) after its
         attention has read them (``previous_columns`` and ``coded``, their ``read_back``):

@@ -51,9 +51,11 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 from mlx_lm.models.base import scaled_dot_product_attention
 from mlx_lm.models.cache import KVCache
 
+from kvshelf.model.arrays import buffer_view
 from kvshelf.model.attention_mask import full_mask
 from kvshelf.model.fast_exp import exp
 from kvshelf.model.module_tree import with_children
@@ -256,9 +258,18 @@ def _attention(
     return (num / den).reshape(b, heads, length, dv)
 
 
+def knows_origins(cache: Any) -> bool:
+    """Whether ``key_origins`` knows the layout of what this cache fetches (a decode batch
+    of kvshelf's, a kvshelf layer cache, mlx-lm's ``KVCache``), asked without reading the
+    cache's buffer fields, which would write a decode step's staged tokens every layer."""
+    return getattr(cache, "members", None) is not None or hasattr(cache, "start_after") or type(cache) is KVCache
+
+
 def key_origins(cache: Any, keys: int, length: int) -> list[int] | None:
     """The absolute position of key column 0 of what ``cache`` just fetched, per batch
     member; None for a cache whose layout is not known here (its own attention runs)."""
+    if not knows_origins(cache):
+        return None
     members = getattr(cache, "members", None)
     if members is not None:  # a decode batch (kvshelf.kv.batch/working_set): newest key last
         if length != 1:
@@ -268,9 +279,7 @@ def key_origins(cache: Any, keys: int, length: int) -> list[int] | None:
         return [m.offset - keys for m in members]
     if hasattr(cache, "start_after"):  # a kvshelf layer cache: its buffer starts at ``start``
         return [cache.start]
-    if type(cache) is KVCache:
-        return [0]
-    return None
+    return [0]  # mlx-lm's KVCache
 
 
 def _dense(x: Any, cache: Any, dtype: mx.Dtype) -> mx.array:
@@ -295,10 +304,14 @@ class InvariantAttention(nn.Module):
 
     def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
         a = self.attention
-        if cache is None or key_origins(cache, 1, 1) is None or (mask is not None and _additive(mask)):
+        if cache is None or not knows_origins(cache) or (mask is not None and _additive(mask)):
             return a(x, mask, cache)
         b, length, _ = x.shape
         q, k, v = self.project(x, cache.offset)
+        if self._ordered and length == 1 and q.dtype == mx.float32 and hasattr(cache, "columns_with"):
+            out = self._in_working_set(q, k, v, mask, cache)
+            if out is not None:
+                return a.o_proj(out.transpose(0, 2, 1, 3).reshape(b, length, -1))
         keys, values = cache.update_and_fetch(k, v)
         keys, values = _dense(keys, cache, q.dtype), _dense(values, cache, q.dtype)
         origins = key_origins(cache, keys.shape[2], length)
@@ -309,6 +322,22 @@ class InvariantAttention(nn.Module):
         else:
             out = invariant_attention(q, keys, values, a.scale, mask, origins)
         return a.o_proj(out.transpose(0, 2, 1, 3).reshape(b, length, -1))
+
+    def _in_working_set(self, q: mx.array, k: mx.array, v: mx.array, mask: Any, cache: Any) -> mx.array | None:
+        """A decode step over a decode working set (``kvshelf.kv.working_set``) whose
+        scheme codes rows in numpy: the step's rows coded as the cache codes them and
+        written into the buffer's next column, attention reading the buffer in place, then
+        the tokens staged. The same columns and bits as ``update_and_fetch`` without its
+        dozen MLX operations a layer to build and evaluate; None where the rows cannot be
+        coded here (``read_back``), which then takes the cache's own update."""
+        k_rows, v_rows = (np.ascontiguousarray(buffer_view(t.astype(mx.float32))[:, :, 0, :]) for t in (k, v))
+        coded = cache.read_back(k_rows, v_rows)
+        if coded is None:
+            return None
+        keys, values, lo, end = cache.columns_with(coded)
+        out = ordered_attention(q, keys[0][..., lo:end, :], values[0][..., lo:end, :], self.attention.scale, mask)
+        cache.advance(k_rows, v_rows, coded)
+        return out
 
     def project(self, x: mx.array, offset: Any) -> tuple[mx.array, mx.array, mx.array]:
         """Queries, keys and values by head, (B, heads, L, d), RoPE applied at ``offset``:
