@@ -330,7 +330,8 @@ class InvariantAttention(nn.Module):
         the tokens staged. The same columns and bits as ``update_and_fetch`` without its
         dozen MLX operations a layer to build and evaluate; None where the rows cannot be
         coded here (``read_back``), which then takes the cache's own update."""
-        k_rows, v_rows = (np.ascontiguousarray(buffer_view(t.astype(mx.float32))[:, :, 0, :]) for t in (k, v))
+        mx.eval(q, k, v)  # one evaluation for the three (each view would make its own)
+        k_rows, v_rows = (np.ascontiguousarray(buffer_view(t)[:, :, 0, :]) for t in (k, v))
         coded = cache.read_back(k_rows, v_rows)
         if coded is None:
             return None
