@@ -69,6 +69,8 @@ def test_the_last_columns_of_a_longer_buffer_are_read_in_place_with_the_same_bit
     in_place = ordered_attention(q, k, v, 0.3, seen)
     copied = ordered_attention(q, mx.array(np.array(k)), mx.array(np.array(v)), 0.3, seen)
     assert mx.array_equal(in_place, copied).item()
+    mixed = ordered_attention(q, k, mx.array(np.array(v)), 0.3, seen)  # the values laid out otherwise
+    assert mx.array_equal(mixed, copied).item()
     dense = mx.fast.scaled_dot_product_attention(
         q, mx.repeat(k, heads // kv, 1), mx.repeat(v, heads // kv, 1), scale=0.3, mask=seen
     )

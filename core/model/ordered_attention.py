@@ -156,9 +156,8 @@ def ordered_attention(queries: mx.array, keys: mx.array, values: mx.array, scale
     out = np.empty((b, heads, length, dv), dtype=np.float32)
     key_rows, key_pitch = pitched_rows(keys)
     value_rows, value_pitch = pitched_rows(values)
-    if key_pitch != value_pitch:  # one index for both: copy the values to the keys' layout
-        value_rows = np.ascontiguousarray(buffer_view(values.astype(mx.float32))).reshape(-1, dv)
-        key_rows, key_pitch = np.ascontiguousarray(buffer_view(keys.astype(mx.float32))).reshape(-1, d), t
+    if key_pitch != value_pitch:  # one index for both: copies, each T columns apart
+        key_rows, value_rows, key_pitch = _rows(keys).reshape(-1, d), _rows(values).reshape(-1, dv), t
     seen = _seen(mask, b, length, t)
     kernel(_rows(queries), key_rows, value_rows, kv, t, key_pitch, seen, np.float32(scale), out)
     return mx.array(out).astype(queries.dtype)

@@ -251,13 +251,16 @@ def _alone_agrees() -> bool:
         weight = rng.standard_normal((n, k)).astype(np.float32)
         x = np.zeros((INVARIANT_BLOCK, k), dtype=np.float32)
         x[0] = rng.standard_normal(k).astype(np.float32)
-        in_block = np.empty((INVARIANT_BLOCK, n), dtype=np.float32)
-        _loop_for(INVARIANT_BLOCK, WEIGHT_ROWS, weight)(x, weight, in_block)
-        alone = np.empty((1, n), dtype=np.float32)
-        _block_loop(1, ALONE_WEIGHT_ROWS)(x[:1].copy(), weight, alone)
-        if not np.array_equal(alone[0], in_block[0]):
+        if not np.array_equal(_alone(x[:1], weight)[0], _invariant_blocked(x, weight)[0]):
             return False
     return True
+
+
+def _alone(x: np.ndarray, weight: np.ndarray) -> np.ndarray:
+    """``x @ weight.T`` for one row against ``ALONE_WEIGHT_ROWS`` weight rows at a time."""
+    out = np.empty((1, weight.shape[0]), dtype=np.float32)
+    _block_loop(1, ALONE_WEIGHT_ROWS)(x, weight, out)
+    return out
 
 
 def _invariant_blocked(x: np.ndarray, weight: np.ndarray) -> np.ndarray:
@@ -269,9 +272,7 @@ def _invariant_blocked(x: np.ndarray, weight: np.ndarray) -> np.ndarray:
     x = _checked(x, weight)
     rows = x.shape[0]
     if rows == 1 and weight.shape[0] >= ALONE_WEIGHT_ROWS and _alone_agrees():
-        alone = np.empty((1, weight.shape[0]), dtype=np.float32)
-        _block_loop(1, ALONE_WEIGHT_ROWS)(x, weight, alone)
-        return alone
+        return _alone(x, weight)
     padded = max(1, -(-rows // INVARIANT_BLOCK)) * INVARIANT_BLOCK
     if padded != rows:
         x = np.concatenate([x, np.zeros((padded - rows, x.shape[1]), dtype=np.float32)])
