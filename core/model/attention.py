@@ -59,7 +59,7 @@ from kvshelf.model.arrays import buffer_view
 from kvshelf.model.attention_mask import full_mask
 from kvshelf.model.fast_exp import exp
 from kvshelf.model.module_tree import with_children
-from kvshelf.model.ordered_attention import ordered_attention, ordered_attention_available
+from kvshelf.model.ordered_attention import ordered_attention, ordered_attention_available, ordered_rows
 from kvshelf.model.spec import BLOCK_TOKENS
 
 # Row tiles tried, largest first: a product of this many query rows by one key block.
@@ -289,6 +289,38 @@ def _dense(x: Any, cache: Any, dtype: mx.Dtype) -> mx.array:
     return mx.dequantize(w, s.astype(dtype), bias.astype(dtype), group_size=cache.group_size, bits=cache._bits)
 
 
+def working_set_step(
+    q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float, mask: Any, cache: Any
+) -> np.ndarray | None:
+    """Ordered attention of a decode step over a decode working set (``kvshelf.kv.working_set``)
+    whose scheme codes rows in numpy: the step's rows (``k``, ``v``: (B, kv_heads, d)) coded
+    as the cache codes them and written into the buffer's next column, attention reading the
+    buffer in place, then the tokens staged. The same columns and bits as
+    ``update_and_fetch`` without its dozen MLX operations a layer to build and evaluate.
+    ``q``: (B, heads, 1, d). None where the rows cannot be coded here (``read_back``), and
+    nothing changed: the caller takes the cache's own update."""
+    coded = cache.read_back(k, v)
+    if coded is None:
+        return None
+    keys, values, lo, end = cache.columns_with(coded)
+    out = ordered_rows(q, keys[0][..., lo:end, :], values[0][..., lo:end, :], scale, mask)
+    cache.advance(k, v, coded)
+    return out
+
+
+def ordered_step(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float, mask: Any, cache: Any) -> np.ndarray:
+    """What ``InvariantAttention`` computes for a decode step given its rows as numpy (q:
+    (B, heads, 1, d); k, v: (B, kv_heads, d)), with its bits: over a working set
+    ``working_set_step``, else the cache's own update and ordered attention over what it
+    fetches (a cache whose layout ``knows_origins``)."""
+    if hasattr(cache, "columns_with"):
+        out = working_set_step(q, k, v, scale, mask, cache)
+        if out is not None:
+            return out
+    keys, values = cache.update_and_fetch(mx.array(k[:, :, None, :]), mx.array(v[:, :, None, :]))
+    return ordered_rows(q, _dense(keys, cache, mx.float32), _dense(values, cache, mx.float32), scale, mask)
+
+
 class InvariantAttention(nn.Module):
     """An mlx-lm attention module of a known shape whose attention is row-invariant on
     kvshelf's caches and mlx-lm's ``KVCache`` (any other cache runs the module's own):
@@ -324,21 +356,12 @@ class InvariantAttention(nn.Module):
         return a.o_proj(out.transpose(0, 2, 1, 3).reshape(b, length, -1))
 
     def _in_working_set(self, q: mx.array, k: mx.array, v: mx.array, mask: Any, cache: Any) -> mx.array | None:
-        """A decode step over a decode working set (``kvshelf.kv.working_set``) whose
-        scheme codes rows in numpy: the step's rows coded as the cache codes them and
-        written into the buffer's next column, attention reading the buffer in place, then
-        the tokens staged. The same columns and bits as ``update_and_fetch`` without its
-        dozen MLX operations a layer to build and evaluate; None where the rows cannot be
-        coded here (``read_back``), which then takes the cache's own update."""
+        """A decode step over a decode working set (``working_set_step``); None where its
+        rows cannot be coded here, which then takes the cache's own update."""
         mx.eval(q, k, v)  # one evaluation for the three (each view would make its own)
         k_rows, v_rows = (np.ascontiguousarray(buffer_view(t)[:, :, 0, :]) for t in (k, v))
-        coded = cache.read_back(k_rows, v_rows)
-        if coded is None:
-            return None
-        keys, values, lo, end = cache.columns_with(coded)
-        out = ordered_attention(q, keys[0][..., lo:end, :], values[0][..., lo:end, :], self.attention.scale, mask)
-        cache.advance(k_rows, v_rows, coded)
-        return out
+        out = working_set_step(buffer_view(q), k_rows, v_rows, self.attention.scale, mask, cache)
+        return None if out is None else mx.array(out)
 
     def project(self, x: mx.array, offset: Any) -> tuple[mx.array, mx.array, mx.array]:
         """Queries, keys and values by head, (B, heads, L, d), RoPE applied at ``offset``:

@@ -294,7 +294,11 @@ def with_fast_linears(
     if not same:
         return _with_attention(fast, invariant, grouped)
     body = _attention_body(body, invariant, grouped)
-    decoder = native_decoder(model, skinny_rows, body) if native and skinny_rows is not None else None
+    decoder = None
+    if native and skinny_rows is not None:
+        decoder = native_decoder(model, skinny_rows, body)
+    elif native and invariant_rows is not None and invariant:  # temperature 0's, with the body's bits
+        decoder = native_decoder(model, invariant_rows, body, exact=True)
     return ProjectedModel(
         model, fast._project, fast._head, sgemv, body=body, all_rows=all_rows, skinny=skinny, native=decoder
     )

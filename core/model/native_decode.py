@@ -33,7 +33,7 @@ agent restored from disk continues bit-identically to one kept in RAM.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,14 +41,20 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 from mlx_lm.models.base import create_attention_mask
+from mlx_lm.models.cache import KVCache
 
+from kvshelf.model import exact_ops, native_ops
 from kvshelf.model.arrays import buffer_view
+from kvshelf.model.attention import ordered_step
 from kvshelf.model.few_rows import Gemm
-from kvshelf.model.native_ops import F32, Rope, attend, gelu_approx, mask_bias, rms_norm, silu
+from kvshelf.model.native_ops import F32, Rope, attend, mask_bias
+from kvshelf.model.ordered_attention import ordered_attention_available
 from kvshelf.model.skinny import MAX_LAYER_ROWS
 from kvshelf.switches import env_on
 
 OFF = env_on("KVSHELF_NO_NATIVE_DECODE")
+# Temperature 0's steps keep the module path (MLX's graph around the row-invariant products).
+OFF_EXACT = env_on("KVSHELF_NO_EXACT_DECODE")
 
 # How far the native step's hidden state may lie from the model's own on the build probe,
 # relative to its largest element: fp32 rounding through every layer, far below any
@@ -62,6 +68,22 @@ def _plain_weight(layer: Any) -> np.ndarray | None:
         return None
     w = buffer_view(layer["weight"])
     return w if w.flags.c_contiguous else None
+
+
+@dataclass(frozen=True)
+class RowOps:
+    """The small operations a step runs on numpy rows: fp32-exact and fast
+    (``kvshelf.model.native_ops``, the default kernels') or with MLX's own bits
+    (``kvshelf.model.exact_ops``, temperature 0's)."""
+
+    rms_norm: Callable[[np.ndarray, np.ndarray, float], np.ndarray]
+    gelu_approx: Callable[[np.ndarray], np.ndarray]
+    silu: Callable[[np.ndarray], np.ndarray]
+    tables: Callable[[Rope, np.ndarray], tuple[np.ndarray, np.ndarray]]
+
+
+FAST = RowOps(native_ops.rms_norm, native_ops.gelu_approx, native_ops.silu, Rope.tables)
+EXACT = RowOps(exact_ops.rms_norm, exact_ops.gelu_approx, exact_ops.silu, exact_ops.tables)
 
 
 @dataclass
@@ -116,9 +138,16 @@ class NativeDecoder:
     # False updates it inside each layer as before (``benchmarks/decode.py --paths no-defer``).
     defer_updates = not env_on("KVSHELF_NO_DEFERRED_UPDATE")
 
-    def __init__(self, body: Any, layers: list[NativeLayer], product: Gemm, eps: float, embed_scale: float | None):
+    def __init__(
+        self, body: Any, layers: list[NativeLayer], product: Gemm, eps: float, embed_scale: float | None, exact: bool
+    ):
         self.layers = layers
         self._product = product
+        # Temperature 0's step: MLX's bits in every operation (``EXACT``), the row-invariant
+        # product, and ``InvariantAttention``'s attention (``ordered_step``), so that a token
+        # gets the bits the module path (and a prefill) gives it. Else the default kernels'.
+        self.exact = exact
+        self._ops = EXACT if exact else FAST
         self._eps = eps
         self._embed_scale = embed_scale
         self._embed = buffer_view(body.embed_tokens["weight"])
@@ -138,13 +167,14 @@ class NativeDecoder:
             and inputs.shape[1] == 1
             and 1 <= inputs.shape[0] <= MAX_LAYER_ROWS
             and all(getattr(c, "dense_decode", False) for c in cache)
+            and (not self.exact or all(hasattr(c, "columns_with") for c in cache))
         )
 
     def _masks(self, inputs: mx.array, cache: Sequence[Any]) -> tuple[Any, Any]:
         """The full-attention and sliding-window masks, from the caches the model takes them from."""
         raise NotImplementedError
 
-    def _block(self, layer: NativeLayer, h: np.ndarray, mask: np.ndarray | None, cache: Any) -> np.ndarray:
+    def _block(self, layer: NativeLayer, h: np.ndarray, mask: Any, cache: Any) -> np.ndarray:
         raise NotImplementedError
 
     def __call__(self, inputs: mx.array, cache: Sequence[Any]) -> mx.array:
@@ -152,11 +182,13 @@ class NativeDecoder:
         h = self._embed[tokens].astype(F32)
         if self._embed_scale is not None:
             h *= F32(self._embed_scale)
-        full, sliding = (mask_bias(m) for m in self._masks(inputs, cache))
+        full, sliding = self._masks(inputs, cache)
+        if not self.exact:  # the default kernels' attention takes the masks as scores to add
+            full, sliding = mask_bias(full), mask_bias(sliding)
         self._deferred, self._tables = [], {}
         for layer, c in zip(self.layers, cache):
             h = self._block(layer, h, sliding if layer.sliding else full, c)
-        h = rms_norm(h, self._final, self._eps)
+        h = self._ops.rms_norm(h, self._final, self._eps)
         self._append_deferred()
         return mx.array(h[:, None, :])
 
@@ -173,7 +205,7 @@ class NativeDecoder:
         if deferred:
             mx.eval([x for c, *_ in deferred for x in c.arrays()])
 
-    def _attention(self, layer: NativeLayer, x: np.ndarray, mask: np.ndarray | None, cache: Any) -> np.ndarray:
+    def _attention(self, layer: NativeLayer, x: np.ndarray, mask: Any, cache: Any) -> np.ndarray:
         """Projections, RoPE at each agent's own position, attention and the output
         projection; attention reads a working set's stored columns and the new rows from
         numpy (their MLX update deferred), or whatever the cache's own update and fetch
@@ -184,14 +216,18 @@ class NativeDecoder:
         k = self._product(x, layer.k).reshape(b, layer.kv_heads, d)
         v = self._product(x, layer.v).reshape(b, layer.kv_heads, -1)
         if "q" in layer.norms:
-            q, k = rms_norm(q, layer.norms["q"], self._eps), rms_norm(k, layer.norms["k"], self._eps)
+            norm = self._ops.rms_norm
+            q, k = norm(q, layer.norms["q"], self._eps), norm(k, layer.norms["k"], self._eps)
         positions = np.broadcast_to(np.asarray(cache.offset).reshape(-1), (b,))
         # Every layer of a step rotates at the same positions: each rotation's tables once a step.
         key = (layer.rope.angles_key, positions.tobytes())
         if key not in self._tables:
-            self._tables[key] = layer.rope.tables(positions)
+            self._tables[key] = self._ops.tables(layer.rope, positions)
         cos, sin = self._tables[key]
         q, k = layer.rope(q, cos, sin), layer.rope(k, cos, sin)
+        if self.exact:
+            out = ordered_step(q[:, :, None, :], k, v, layer.scale, mask, cache)
+            return self._product(out.reshape(b, -1), layer.o)
         # A decode working set can take the step's rows after every layer is done: attention
         # reads its stored columns and the new rows as the cache will code them (numpy, MLX's
         # bits), so MLX is not evaluated in the middle of the step.
@@ -218,10 +254,12 @@ class Gemma3Decoder(NativeDecoder):
     kind = "gemma3_text"
     norm_offset = 1.0
 
-    def __init__(self, body: Any, layers: list[NativeLayer], product: Gemm, eps: float, window: int, pattern: int):
+    def __init__(
+        self, body: Any, layers: list[NativeLayer], product: Gemm, eps: float, exact: bool, window: int, pattern: int
+    ):
         # mlx-lm scales the embedding by sqrt(hidden) rounded to bf16
         scale = np.array(mx.array(body.args.hidden_size**0.5, mx.bfloat16).astype(mx.float32)).item()
-        super().__init__(body, layers, product, eps, scale)
+        super().__init__(body, layers, product, eps, scale, exact)
         self.window, self._pattern = window, pattern
 
     def _masks(self, inputs: mx.array, cache: Sequence[Any]) -> tuple[Any, Any]:
@@ -229,13 +267,13 @@ class Gemma3Decoder(NativeDecoder):
         sliding = create_attention_mask(inputs, cache[0], window_size=self.window) if self._pattern > 1 else None
         return full, sliding
 
-    def _block(self, layer: NativeLayer, h: np.ndarray, mask: np.ndarray | None, cache: Any) -> np.ndarray:
-        n, eps = layer.norms, self._eps
-        r = self._attention(layer, rms_norm(h, n["input"], eps), mask, cache)
-        h = h + rms_norm(r, n["post_attention"], eps)
-        x = rms_norm(h, n["pre_feedforward"], eps)
-        r = self._product(gelu_approx(self._product(x, layer.gate)) * self._product(x, layer.up), layer.down)
-        return h + rms_norm(r, n["post_feedforward"], eps)
+    def _block(self, layer: NativeLayer, h: np.ndarray, mask: Any, cache: Any) -> np.ndarray:
+        n, eps, norm, gelu = layer.norms, self._eps, self._ops.rms_norm, self._ops.gelu_approx
+        r = self._attention(layer, norm(h, n["input"], eps), mask, cache)
+        h = h + norm(r, n["post_attention"], eps)
+        x = norm(h, n["pre_feedforward"], eps)
+        r = self._product(gelu(self._product(x, layer.gate)) * self._product(x, layer.up), layer.down)
+        return h + norm(r, n["post_feedforward"], eps)
 
 
 class LlamaDecoder(NativeDecoder):
@@ -243,8 +281,8 @@ class LlamaDecoder(NativeDecoder):
 
     kind = "llama"
 
-    def __init__(self, body: Any, layers: list[NativeLayer], product: Gemm, eps: float):
-        super().__init__(body, layers, product, eps, None)
+    def __init__(self, body: Any, layers: list[NativeLayer], product: Gemm, eps: float, exact: bool):
+        super().__init__(body, layers, product, eps, None, exact)
         self.window = body.sliding_window
         self._full, self._swa = body.fa_idx, body.swa_idx
 
@@ -254,14 +292,14 @@ class LlamaDecoder(NativeDecoder):
             return full, None
         return full, create_attention_mask(inputs, cache[self._swa], window_size=self.window)
 
-    def _block(self, layer: NativeLayer, h: np.ndarray, mask: np.ndarray | None, cache: Any) -> np.ndarray:
-        n, eps = layer.norms, self._eps
-        h = h + self._attention(layer, rms_norm(h, n["input"], eps), mask, cache)
-        x = rms_norm(h, n["post_attention"], eps)
-        return h + self._product(silu(self._product(x, layer.gate)) * self._product(x, layer.up), layer.down)
+    def _block(self, layer: NativeLayer, h: np.ndarray, mask: Any, cache: Any) -> np.ndarray:
+        n, eps, norm = layer.norms, self._eps, self._ops.rms_norm
+        h = h + self._attention(layer, norm(h, n["input"], eps), mask, cache)
+        x = norm(h, n["post_attention"], eps)
+        return h + self._product(self._ops.silu(self._product(x, layer.gate)) * self._product(x, layer.up), layer.down)
 
 
-def _gemma3(model: nn.Module, product: Gemm) -> NativeDecoder | None:
+def _gemma3(model: nn.Module, product: Gemm, exact: bool) -> NativeDecoder | None:
     body, args = model.model, model.args
     layers = []
     for i, block in enumerate(body.layers):
@@ -276,10 +314,11 @@ def _gemma3(model: nn.Module, product: Gemm) -> NativeDecoder | None:
         if layer is None:
             return None
         layers.append(layer)
-    return Gemma3Decoder(body, layers, product, args.rms_norm_eps, args.sliding_window, args.sliding_window_pattern)
+    window, pattern = args.sliding_window, args.sliding_window_pattern
+    return Gemma3Decoder(body, layers, product, args.rms_norm_eps, exact, window, pattern)
 
 
-def _llama(model: nn.Module, product: Gemm) -> NativeDecoder | None:
+def _llama(model: nn.Module, product: Gemm, exact: bool) -> NativeDecoder | None:
     body, args = model.model, model.args
     layers = []
     for block in body.layers:
@@ -290,36 +329,48 @@ def _llama(model: nn.Module, product: Gemm) -> NativeDecoder | None:
         if layer is None:
             return None
         layers.append(layer)
-    return LlamaDecoder(body, layers, product, args.rms_norm_eps)
+    return LlamaDecoder(body, layers, product, args.rms_norm_eps, exact)
 
 
 _ARCHITECTURES = {"mlx_lm.models.gemma3_text": _gemma3, "mlx_lm.models.llama": _llama}
 
 
-def native_decoder(model: nn.Module, product: Gemm | None, reference: Any = None) -> NativeDecoder | None:
+def native_decoder(
+    model: nn.Module, product: Gemm | None, reference: Any = None, exact: bool = False
+) -> NativeDecoder | None:
     """The native decode step for ``model`` if its architecture is one this runs and a probe
     agrees with ``reference`` (the body the step replaces; default the model's own), else None.
 
-    ``product``: the layers' few-row product (``kvshelf.model.skinny.blocked_product``)."""
+    ``product``: the layers' few-row product (``kvshelf.model.skinny.blocked_product``).
+    ``exact``: temperature 0's step, with ``reference``'s bits (the body of the row-invariant
+    kernels, its product ``invariant_blocked_product``); built only where every operation
+    has MLX's bits here (``exact_ops.agree``) and the probe finds no difference at all."""
     build = _ARCHITECTURES.get(type(model).__module__)
     if OFF or product is None or build is None or mx.default_device() != mx.cpu:
         return None
+    if exact and (OFF_EXACT or not exact_ops.agree() or not ordered_attention_available()):
+        return None
     try:
-        decoder = build(model, product)
+        decoder = build(model, product, exact)
     except (AttributeError, KeyError, TypeError, ValueError):  # a variant without the parts read here
         return None
     if decoder is None:
         return None
-    return decoder if _agrees(model, decoder, reference if reference is not None else model.model) else None
+    tolerance = 0.0 if exact else PROBE_TOLERANCE
+    return decoder if _agrees(model, decoder, reference if reference is not None else model.model, tolerance) else None
 
 
 def probe_gap(model: nn.Module, decoder: NativeDecoder, reference: Any, steps: int = 3) -> float:
     """The largest difference between the native step's hidden states and ``reference``'s,
     relative to the largest hidden element, over a few decode steps of a two-agent batch
-    on mlx-lm's own caches after a short prompt."""
+    on mlx-lm's own caches after a short prompt. Temperature 0's step (``exact``) on plain
+    ``KVCache``s only, the one mlx-lm cache whose layout its attention knows (a sliding
+    layer's rotating cache would run the module's own attention in ``reference``), as the
+    step only ever takes kvshelf's working sets."""
     vocab = model.model.embed_tokens["weight"].shape[0]
     prompt = mx.array([[(7 * i + 3) % vocab for i in range(9)], [(11 * i + 5) % vocab for i in range(9)]])
-    mine, theirs = model.make_cache(), model.make_cache()
+    caches = (lambda: [KVCache() for _ in decoder.layers]) if decoder.exact else model.make_cache
+    mine, theirs = caches(), caches()
     mx.eval(reference(prompt, cache=mine), reference(prompt, cache=theirs))
     gap = 0.0
     for s in range(steps):
@@ -329,8 +380,8 @@ def probe_gap(model: nn.Module, decoder: NativeDecoder, reference: Any, steps: i
     return gap
 
 
-def _agrees(model: nn.Module, decoder: NativeDecoder, reference: Any) -> bool:
+def _agrees(model: nn.Module, decoder: NativeDecoder, reference: Any, tolerance: float) -> bool:
     try:
-        return probe_gap(model, decoder, reference) <= PROBE_TOLERANCE
+        return probe_gap(model, decoder, reference) <= tolerance
     except (ValueError, TypeError):  # a mask or cache shape this does not read
         return False

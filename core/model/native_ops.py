@@ -77,10 +77,10 @@ class Rope:
     def __init__(self, dims: int, traditional: bool, inverse_frequencies: np.ndarray, scale: float):
         self.dims = dims
         self.traditional = traditional
-        self._inv = inverse_frequencies.astype(F32)
+        self.inverse_frequencies = inverse_frequencies.astype(F32)
         self.scale = scale
         # What ``tables`` depends on: layers whose rotations share it share their tables.
-        self.angles_key = (self.scale, self._inv.tobytes())
+        self.angles_key = (self.scale, self.inverse_frequencies.tobytes())
 
     @classmethod
     def of(cls, module: Any) -> Rope | None:
@@ -95,7 +95,7 @@ class Rope:
 
     def tables(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """cos and sin of each position's angles, (positions, dims/2), broadcast over heads."""
-        angles = (positions.astype(F32) * F32(self.scale))[:, None] * self._inv[None]
+        angles = (positions.astype(F32) * F32(self.scale))[:, None] * self.inverse_frequencies[None]
         return np.cos(angles), np.sin(angles)
 
     def __call__(self, x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:

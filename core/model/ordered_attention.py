@@ -146,6 +146,12 @@ def ordered_attention(queries: mx.array, keys: mx.array, values: mx.array, scale
     queries (B, heads, L, d); keys (B, kv_heads, T, d); values (B, kv_heads, T, dv), column
     order being position order; ``mask``: None, ``"causal"`` or booleans broadcastable to
     (B, 1, L, T). Out: (B, heads, L, dv), computed in fp32, in the queries' dtype."""
+    return mx.array(ordered_rows(_rows(queries), keys, values, scale, mask)).astype(queries.dtype)
+
+
+def ordered_rows(queries: np.ndarray, keys: mx.array, values: mx.array, scale: float, mask: Any) -> np.ndarray:
+    """``ordered_attention`` of fp32 numpy queries (B, heads, L, d), the same bits, as numpy
+    (fp32): what a decode step on numpy rows calls (``kvshelf.model.native_decode``)."""
     kernel = _kernel()
     if kernel is None:
         raise RuntimeError("ordered attention needs numba")
@@ -159,5 +165,6 @@ def ordered_attention(queries: mx.array, keys: mx.array, values: mx.array, scale
     if key_pitch != value_pitch:  # one index for both: copies, each T columns apart
         key_rows, value_rows, key_pitch = _rows(keys).reshape(-1, d), _rows(values).reshape(-1, dv), t
     seen = _seen(mask, b, length, t)
-    kernel(_rows(queries), key_rows, value_rows, kv, t, key_pitch, seen, np.float32(scale), out)
-    return mx.array(out).astype(queries.dtype)
+    rows = np.ascontiguousarray(queries, dtype=np.float32)
+    kernel(rows, key_rows, value_rows, kv, t, key_pitch, seen, np.float32(scale), out)
+    return out
