@@ -303,7 +303,7 @@ def working_set_step(
     if coded is None:
         return None
     keys, values, lo, end = cache.columns_with(coded)
-    out = ordered_rows(q, keys[0][..., lo:end, :], values[0][..., lo:end, :], scale, mask)
+    out = ordered_rows(q, buffer_view(keys[0])[..., lo:end, :], buffer_view(values[0])[..., lo:end, :], scale, mask)
     cache.advance(k, v, coded)
     return out
 

@@ -37,7 +37,7 @@ import mlx.core as mx
 import numpy as np
 
 from kvshelf.model.arrays import buffer_view
-from kvshelf.model.attention_mask import full_mask
+from kvshelf.model.attention_mask import seen_keys
 from kvshelf.switches import env_on
 
 
@@ -109,15 +109,15 @@ def ordered_attention_available() -> bool:
 
 def _seen(mask: Any, batch: int, length: int, keys: int) -> np.ndarray:
     """The mask as (batch, length, keys) bytes, 1 where a query sees a key."""
-    return np.ascontiguousarray(buffer_view(full_mask(mask, batch, length, keys))[:, 0], dtype=np.uint8)
+    return np.ascontiguousarray(seen_keys(mask, batch, length, keys)).view(np.uint8)
 
 
-def _rows(x: mx.array) -> np.ndarray:
-    """``x`` as a C-contiguous fp32 numpy array (a copy where MLX's layout is another)."""
-    return np.ascontiguousarray(buffer_view(x.astype(mx.float32)))
+def _rows(x: mx.array | np.ndarray) -> np.ndarray:
+    """``x`` as a C-contiguous fp32 numpy array (a copy where its layout is another)."""
+    return np.ascontiguousarray(x if isinstance(x, np.ndarray) else buffer_view(x.astype(mx.float32)), dtype=np.float32)
 
 
-def pitched_rows(x: mx.array) -> tuple[np.ndarray, int]:
+def pitched_rows(x: mx.array | np.ndarray) -> tuple[np.ndarray, int]:
     """Keys or values (B, kv, T, d) as C-contiguous rows, column ``c`` of member ``b``'s head
     ``g`` at row ``(b * kv + g) * pitch + c``, and that pitch. A decode working set hands
     over the last ``T`` columns of a longer buffer (``kvshelf.kv.working_set``): read in
@@ -126,8 +126,8 @@ def pitched_rows(x: mx.array) -> tuple[np.ndarray, int]:
     steps, batch 1, interleaved in one process (scratch, 2026-12-06, load 0.6-0.8), ms in
     place / copied: the llama at 16K 139.9 / 197.1, at 1K 72.2 / 74.3; Gemma 3 at 16K 80.8
     / 82.2, at 1K 77.3 / 76.7 (its global layers' buffers were mostly full); the same bits.
-    Anything laid out otherwise is copied as before."""
-    view = buffer_view(x.astype(mx.float32))
+    Anything laid out otherwise is copied as before. A numpy view (fp32) is read as it is."""
+    view = x if isinstance(x, np.ndarray) else buffer_view(x.astype(mx.float32))
     b, kv, t, d = view.shape
     item = view.itemsize
     if view.flags.c_contiguous:
@@ -149,9 +149,13 @@ def ordered_attention(queries: mx.array, keys: mx.array, values: mx.array, scale
     return mx.array(ordered_rows(_rows(queries), keys, values, scale, mask)).astype(queries.dtype)
 
 
-def ordered_rows(queries: np.ndarray, keys: mx.array, values: mx.array, scale: float, mask: Any) -> np.ndarray:
+def ordered_rows(
+    queries: np.ndarray, keys: mx.array | np.ndarray, values: mx.array | np.ndarray, scale: float, mask: Any
+) -> np.ndarray:
     """``ordered_attention`` of fp32 numpy queries (B, heads, L, d), the same bits, as numpy
-    (fp32): what a decode step on numpy rows calls (``kvshelf.model.native_decode``)."""
+    (fp32): what a decode step on numpy rows calls (``kvshelf.model.native_decode``). Keys
+    and values may be fp32 numpy views (a working set's buffer, sliced in numpy: an MLX
+    slice would be evaluated on its own, twice a layer)."""
     kernel = _kernel()
     if kernel is None:
         raise RuntimeError("ordered attention needs numba")
