@@ -11,6 +11,7 @@ from mlx_lm.models.cache import KVCache
 
 from kvshelf.model.arrays import buffer_view
 from kvshelf.model.attention import InvariantAttention
+from kvshelf.model.blas import usable_cpus
 from kvshelf.model.gemv import with_fast_linears
 from kvshelf.model.head import ProjectedModel
 from kvshelf.model.loader import load
@@ -85,3 +86,32 @@ def test_bad_masks_and_shapes_are_refused():
         ordered_attention(q, k, v, 0.25, mx.ones((1, 4, 5, 5), dtype=mx.bool_))
     with pytest.raises(ValueError, match="attention shapes"):
         ordered_attention(q[:, :3], k, v, 0.25, None)  # 3 query heads over 2 KV heads
+
+
+@pytest.mark.parametrize("shape", [(1, 4, 1, 1, 300, 64), (2, 9, 3, 5, 40, 16), (1, 8, 2, 3, 70, 32)])
+def test_query_heads_sharing_a_job_keep_their_bits(shape):
+    """A job that takes several query heads of one KV head (each key read once for them)
+    gives every head the bits the one-head-a-job loop gives it, in any number of parts."""
+    from kvshelf.model.ordered_attention import _kernel, head_parts
+
+    one_head, heads_at_once = _kernel()
+    b, heads, kv, length, t, d = shape
+    rng = np.random.default_rng(11)
+    q = rng.standard_normal((b, heads, length, d)).astype(np.float32)
+    keys = rng.standard_normal((b * kv * t, d)).astype(np.float32)
+    values = rng.standard_normal((b * kv * t, d)).astype(np.float32)
+    seen = (rng.random((b, length, t)) > 0.2).astype(np.uint8)
+    seen[0, 0] = 0  # a row that sees no key: zeros either way
+    want = np.empty((b, heads, length, d), dtype=np.float32)
+    one_head(q, keys, values, kv, t, t, seen, np.float32(0.3), want)
+    for parts in range(1, heads // kv + 1):
+        got = np.full_like(want, np.nan)
+        heads_at_once(q, keys, values, kv, t, t, seen, np.float32(0.3), parts, got)
+        assert np.array_equal(got, want), parts
+    assert np.all(want[0, :, 0] == 0.0)
+    cpus = usable_cpus()
+    for jobs, group in ((1, 4), (256, 4), (3, 3), (2, 8), (1, 1)):
+        parts = head_parts(jobs, group)
+        # the fewest even parts that fill the cores alike, else one head a part
+        even = [p for p in range(1, group + 1) if group % p == 0 and jobs * p % cpus == 0]
+        assert parts == (even[0] if even else group)
