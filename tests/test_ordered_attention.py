@@ -115,3 +115,24 @@ def test_query_heads_sharing_a_job_keep_their_bits(shape):
         # the fewest even parts that fill the cores alike, else one head a part
         even = [p for p in range(1, group + 1) if group % p == 0 and jobs * p % cpus == 0]
         assert parts == (even[0] if even else group)
+
+
+def test_attention_weights_are_exp_within_fp32_rounding():
+    """The loop's own exp of a row's scores: within 3e-7 (relative) of the exact exp where
+    the row sees the column, exactly 1 at the maximum, exactly 0 where it does not see it
+    or where the score lies 87 or more below the maximum; an element's bits its own."""
+    from kvshelf.model import ordered_dot
+
+    rng = np.random.default_rng(13)
+    scores = np.concatenate([-rng.uniform(0, 86.9, 5000), [0.0, -87.0, -90.0, -1e30]]).astype(np.float32)
+    seen = (rng.random(scores.size) > 0.1).astype(np.uint8)
+    seen[-4:] = 1
+    out = np.empty_like(scores)
+    ordered_dot.weights(scores, np.float32(0.0), seen, out)
+    exact = np.exp(scores.astype(np.float64))
+    visible = (seen == 1) & (scores > -87.0)
+    assert np.all(np.abs(out[visible] - exact[visible]) <= 3e-7 * exact[visible])
+    assert out[-4] == 1.0 and np.all(out[-3:] == 0.0) and np.all(out[seen == 0] == 0.0)
+    part = np.empty(777, dtype=np.float32)
+    ordered_dot.weights(scores[3:780], np.float32(0.0), seen[3:780], part)  # another length and offset
+    assert np.array_equal(part, out[3:780])

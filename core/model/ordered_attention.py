@@ -82,7 +82,7 @@ def _kernel() -> Any:
             query = np.empty(d, dtype=np.float32)
             for i in range(d):
                 query[i] = q[b, h, r, i] * scale
-            scores = np.empty(columns, dtype=np.float32)
+            scores = np.zeros(columns, dtype=np.float32)
             top = np.float32(-np.inf)
             for c in range(columns):
                 if seen[b, r, c]:
@@ -92,9 +92,11 @@ def _kernel() -> Any:
             num = np.zeros(dv, dtype=np.float32)
             den = np.float32(0.0)
             if top > -np.inf:
+                weight = np.empty(columns, dtype=np.float32)
+                ordered_dot.weights(scores, top, seen[b, r], weight)
                 for c in range(columns):
                     if seen[b, r, c]:
-                        w = np.float32(np.exp(scores[c] - top))
+                        w = weight[c]
                         den += w
                         for e in range(dv):
                             num[e] += w * values[first + c, e]
@@ -136,7 +138,7 @@ def _kernel() -> Any:
             for t in range(n):
                 for i in range(d):
                     query[t, i] = q[b, h0 + t, r, i] * scale
-            scores = np.empty((max(n, 1), columns), dtype=np.float32)
+            scores = np.zeros((max(n, 1), columns), dtype=np.float32)
             tops = np.full(max(n, 1), -np.inf, dtype=np.float32)
             for c in range(columns):
                 if seen[b, r, c]:
@@ -147,12 +149,16 @@ def _kernel() -> Any:
                         tops[t] = max(tops[t], s)
             num = np.zeros((max(n, 1), dv), dtype=np.float32)
             den = np.zeros(max(n, 1), dtype=np.float32)
+            weight = np.empty((max(n, 1), columns), dtype=np.float32)
+            for t in range(n):
+                if tops[t] > -np.inf:
+                    ordered_dot.weights(scores[t], tops[t], seen[b, r], weight[t])
             for c in range(columns):
                 if seen[b, r, c]:
                     value = values[first + c]
                     for t in range(n):
                         if tops[t] > -np.inf:
-                            w = np.float32(np.exp(scores[t, c] - tops[t]))
+                            w = weight[t, c]
                             den[t] += w
                             for e in range(dv):
                                 num[t, e] += w * value[e]
