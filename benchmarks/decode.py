@@ -13,7 +13,9 @@ and side by side, for each model and context length:
   caches, one ``BatchLayerView`` per layer when several agents decode together), and
   (``--paths pipeline``) the scheduler's path with the working set's pipelining
   (``kvshelf.kv.working_set.PIPELINE``, off by default), and (``--paths greedy``) what a
-  temperature-0 request runs, ``LoadedModel.greedy_forward``'s shape-invariant kernels, and
+  temperature-0 request runs, ``LoadedModel.greedy_forward``'s shape-invariant kernels
+  (their native step, ``kvshelf.model.exact_ops``; ``--paths greedy-module``: their layers
+  through MLX's graph, as before it), and
   (``--paths mlx-sdpa``) the scheduler's path with decode attention through MLX's own
   ``scaled_dot_product_attention`` (one product per query head) instead of
   ``kvshelf.model.grouped_attention`` (one per KV head), and (``--paths no-skinny``) the
@@ -151,6 +153,7 @@ PATHS = (
     "one-row-sgemv",
     "pipeline",
     "greedy",
+    "greedy-module",
     "mlx-sdpa",
     "no-skinny",
     "no-blocks",
@@ -212,6 +215,10 @@ def run(
         no_prefetch = with_switch(model, "KVSHELF_NO_PREFETCH") if "no-prefetch" in paths else None
         # what a temperature-0 request runs (LoadedModel.greedy_forward): the shape-invariant kernels
         greedy = with_fast_linears(model, all_rows=True, attention=True) if "greedy" in paths else None
+        # the same kernels with the layers through MLX's graph (before temperature 0's native step)
+        greedy_module = (
+            with_fast_linears(model, all_rows=True, attention=True, native=False) if "greedy-module" in paths else None
+        )
         greedy_no_skinny = (
             with_fast_linears(model, all_rows=True, attention=True, skinny=False)
             if "greedy" in paths and "no-skinny" in paths
@@ -257,6 +264,8 @@ def run(
                         kinds.append((True, f"{scheme} no deferred update", no_defer))
                     if greedy is not None:
                         kinds.append((True, f"{scheme} greedy (shape-invariant)", greedy))
+                    if greedy_module is not None:
+                        kinds.append((True, f"{scheme} greedy module path", greedy_module))
                     if greedy_no_skinny is not None:
                         kinds.append((True, f"{scheme} greedy no skinny", greedy_no_skinny))
                     if "pipeline" in paths:
