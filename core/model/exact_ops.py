@@ -146,7 +146,7 @@ def silu(x: np.ndarray) -> np.ndarray:
 def tables(rope: Rope, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """``rope.tables`` with MLX's cosines and sines of the same fp32 angles (MLX's CPU
     ``cos``/``sin`` are its own polynomials, not numpy's)."""
-    angles = mx.array((positions.astype(F32) * F32(rope.scale))[:, None] * rope.inverse_frequencies[None])
+    angles = mx.array(rope.angles(positions))
     cos, sin = mx.cos(angles), mx.sin(angles)
     mx.eval(cos, sin)
     return np.array(cos), np.array(sin)

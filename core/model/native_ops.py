@@ -93,9 +93,13 @@ class Rope:
             return cls(module.dims, bool(module.traditional), np.array(mx.reciprocal(module._freqs)), 1.0)
         return None
 
+    def angles(self, positions: np.ndarray) -> np.ndarray:
+        """Each position's fp32 angles, (positions, dims/2), rounded as MLX's fallback rounds them."""
+        return (positions.astype(F32) * F32(self.scale))[:, None] * self.inverse_frequencies[None]
+
     def tables(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """cos and sin of each position's angles, (positions, dims/2), broadcast over heads."""
-        angles = (positions.astype(F32) * F32(self.scale))[:, None] * self.inverse_frequencies[None]
+        angles = self.angles(positions)
         return np.cos(angles), np.sin(angles)
 
     def __call__(self, x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
