@@ -23,7 +23,16 @@ from kvshelf.model.gemv import with_fast_linears
 from kvshelf.model.head import ProjectedModel
 from kvshelf.model.loader import load
 from kvshelf.model.native_decode import PROBE_TOLERANCE, NativeDecoder, probe_gap
-from kvshelf.model.native_ops import SPLIT_COLUMNS, Rope, attend, column_splits, gelu_approx, mask_bias, rms_norm, silu
+from kvshelf.model.native_ops import (
+    SPLIT_COLUMNS,
+    Rope,
+    attend,
+    column_splits,
+    gelu_gate,
+    mask_bias,
+    rms_norm,
+    silu_gate,
+)
 from kvshelf.model.skinny import MAX_LAYER_ROWS
 
 KINDS = ["llama", "gemma3_text"]
@@ -69,8 +78,14 @@ def test_the_operations_match_mlx():
     x = rng.standard_normal((3, 4, 64)).astype(np.float32)
     w = rng.standard_normal(64).astype(np.float32)
     assert close(rms_norm(x, w, 1e-6), np.array(mx.fast.rms_norm(mx.array(x), mx.array(w), 1e-6)), 1e-6)
-    assert close(gelu_approx(x), np.array(nn.gelu_approx(mx.array(x))), 1e-6)
-    assert close(silu(x), np.array(nn.silu(mx.array(x))), 1e-6)
+    up = rng.standard_normal((3, 4, 64)).astype(np.float32)
+    ends = np.broadcast_to(np.array([-1e4, -200.0, -90.0, 0.0, 90.0, 200.0, 1e4], np.float32), (3, 4, 7))
+    wide = np.concatenate([x * 30.0, ends], axis=-1)
+    ups = np.concatenate([up, np.ones((3, 4, 7), np.float32)], axis=-1)
+    for gate, u in ((x, up), (wide, ups)):  # and far out, where the sigmoid is 0 or 1
+        theirs = nn.gelu_approx(mx.array(gate)) * mx.array(u)
+        assert close(gelu_gate(gate, u), np.array(theirs), 1e-6)
+        assert close(silu_gate(gate, u), np.array(nn.silu(mx.array(gate)) * mx.array(u)), 1e-6)
     positions = np.array([0, 7, 3000])
     ropes = [
         nn.RoPE(64, traditional=False, base=10000.0),

@@ -28,6 +28,8 @@ assert skinny.blocked_product() is not None and skinny.invariant_blocked_product
 rng = np.random.default_rng(0)
 x = rng.standard_normal((3, 256), dtype=np.float32)
 row_coding.quantize(row_coding.hadamard(x), 64, 4)
+row_coding.quantize_rotated(x, 64, 4)
+native_ops.gelu_gate(x, x)
 native_ops.rms_norm(x, np.ones(256, dtype=np.float32), 1e-6)
 rope = native_ops.Rope(64, False, np.ones(32, dtype=np.float32), 1.0)
 rope(x.reshape(3, 4, 64), *rope.tables(np.arange(3)))
@@ -45,7 +47,8 @@ def test_a_second_process_compiles_nothing(tmp_path):
     runs = [subprocess.run(command, env=env, capture_output=True, text=True) for _ in range(2)]
     assert all(r.returncode == 0 for r in runs), [r.stderr[-3000:] for r in runs]
     first, second = (r.stdout + r.stderr for r in runs)
-    for loop in ("rows_by_weight_in_blocks", "quantize_rows", "grouped_decode", "rms_rows", "rotate", "attend"):
+    loops = ("rows_by_weight_in_blocks", "quantize_rows", "gate_times_up", "grouped_decode")
+    for loop in (*loops, "rms_rows", "rotate", "attend"):
         assert loop in first and "data saved" in first, loop
     saved = [line for line in second.splitlines() if "data saved" in line]
     assert "data loaded" in second and not saved, saved

@@ -41,6 +41,19 @@ def test_quantized_rows_read_back_with_mlx_bits(group, bits):
     assert np.array_equal(row_coding.quantize(x, group, bits)[1], want)
 
 
+@pytest.mark.parametrize("width", [64, 256])
+def test_rotated_rows_are_the_three_steps_bit_for_bit(width):
+    x = rows(300, width, width + 1)
+    codes, back = row_coding.quantize_rotated(x, 64, 4)
+    want_codes, coded = row_coding.quantize(row_coding.hadamard(x), 64, 4)
+    assert all(np.array_equal(a, b) for a, b in zip(codes, want_codes))
+    assert np.array_equal(back, row_coding.hadamard(coded))
+    w, s, z = mx.quantize(mx.hadamard_transform(mx.array(x)), group_size=64, bits=4)
+    wide = lambda a: a.astype(mx.float16).astype(mx.float32)  # noqa: E731
+    read = mx.hadamard_transform(mx.dequantize(w, wide(s), wide(z), group_size=64, bits=4))
+    assert np.array_equal(back, np.array(read))  # and MLX's own three operations
+
+
 def test_fp16_rounding_is_numpys():
     edges = np.array([65504, 65519, 65520, 2**-14, 2**-24, 3 * 2**-26], dtype=np.float32)
     x = np.concatenate([rows(300, 64, 7).reshape(-1), edges])

@@ -39,6 +39,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import _BaseCache
 
+from kvshelf.kv.row_coding import NpTriple
 from kvshelf.model.spec import BLOCK_TOKENS, LayerSpec
 
 # Up to this many query tokens, attention runs quantized_matmul on the packed blocks
@@ -47,7 +48,6 @@ QUANTIZED_ATTENTION_MAX_QUERY = 1
 SCALE_DTYPE = mx.float16
 
 QTriple = tuple[mx.array, mx.array, mx.array]
-NpTriple = tuple[np.ndarray, np.ndarray, np.ndarray]
 # New rows' at-rest codes (``QuantizedLayerCache.code_rows``): keys (None where keys wait
 # in fp16 until their block is full) and values.
 Codes = tuple[QTriple | None, QTriple]

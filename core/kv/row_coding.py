@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 F32 = np.float32
+NpTriple = tuple[np.ndarray, np.ndarray, np.ndarray]  # packed words, fp16 scales, fp16 biases
 
 
 @cache
@@ -100,17 +101,36 @@ def hadamard(x: np.ndarray) -> np.ndarray:
     return out.reshape(x.shape)
 
 
-def quantize(x: np.ndarray, group: int, bits: int) -> tuple[tuple[np.ndarray, np.ndarray, np.ndarray], np.ndarray]:
+def quantize(x: np.ndarray, group: int, bits: int) -> tuple[NpTriple, np.ndarray]:
     """Each row of ``x`` quantized in groups of ``group`` (``bits`` bits): the codes as the
     cache stores them (packed uint32 words, fp16 scales and biases; ``mx.quantize``'s bits)
     and the fp32 rows they read back as (the cache's ``_dequantize``)."""
+    return _coded(x, group, bits, rotated=False)
+
+
+def quantize_rotated(x: np.ndarray, group: int, bits: int) -> tuple[NpTriple, np.ndarray]:
+    """``quantize(hadamard(x))``'s codes and ``hadamard`` of the rows they read back as (what
+    a rotated scheme stores of ``x`` and what attention reads of it): the same bits, the
+    three loops on one copy of the rows (a decode step codes a row a layer). Three calls,
+    not one loop calling the others: a compiled loop holding others in its closure is
+    compiled again in every process (``kvshelf.kv.fp16_rounding``)."""
+    return _coded(x, group, bits, rotated=True)
+
+
+def _coded(x: np.ndarray, group: int, bits: int, rotated: bool) -> tuple[NpTriple, np.ndarray]:
     shape = x.shape
     rows = np.array(x, dtype=F32, copy=True).reshape(-1, shape[-1])
     n = rows.shape[1]
     words = np.empty((rows.shape[0], n * bits // 32), dtype=np.uint32)
     scales = np.empty((rows.shape[0], n // group), dtype=F32)
     biases = np.empty_like(scales)
-    _kernels()[1](rows, group, bits, words, scales, biases)
+    rotate, quantize_rows = _kernels()
+    scale = F32(1.0 / math.sqrt(n))
+    if rotated:
+        rotate(rows, scale)
+    quantize_rows(rows, group, bits, words, scales, biases)
+    if rotated:
+        rotate(rows, scale)
     lead = shape[:-1]
     codes = (
         words.reshape(*lead, -1),

@@ -352,12 +352,11 @@ class SchemeLayerCache(QuantizedLayerCache):
         if keys.dtype != np.float32 or values.dtype != np.float32:
             return None
         g, bits = self.group_size, self._bits
-        value_codes, v = row_coding.quantize(row_coding.hadamard(values) if sch.rotate_values else values, g, bits)
-        v = row_coding.hadamard(v) if sch.rotate_values else v
+        value_codes, v = (row_coding.quantize_rotated if sch.rotate_values else row_coding.quantize)(values, g, bits)
         if sch.channel_keys:  # a new key waits in the fp16 tail
             return CodedRows(row_coding.fp16_rounded(keys), v, None, value_codes)
-        key_codes, k = row_coding.quantize(row_coding.hadamard(keys) if sch.rotate_keys else keys, g, bits)
-        return CodedRows(row_coding.hadamard(k) if sch.rotate_keys else k, v, key_codes, value_codes)
+        key_codes, k = (row_coding.quantize_rotated if sch.rotate_keys else row_coding.quantize)(keys, g, bits)
+        return CodedRows(k, v, key_codes, value_codes)
 
     def own_rows_at(self, position: int) -> bool:
         return position < self.scheme.sinks

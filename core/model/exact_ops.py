@@ -143,6 +143,16 @@ def silu(x: np.ndarray) -> np.ndarray:
     return _elementwise(_kernels()[2], x)
 
 
+def gelu_gate(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
+    """``nn.gelu_approx(gate) * up`` with MLX's CPU bits (two operations there too)."""
+    return gelu_approx(gate) * up
+
+
+def silu_gate(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
+    """``nn.silu(gate) * up`` with MLX's CPU bits."""
+    return silu(gate) * up
+
+
 def tables(rope: Rope, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """``rope.tables`` with MLX's cosines and sines of the same fp32 angles (MLX's CPU
     ``cos``/``sin`` are its own polynomials, not numpy's)."""

@@ -77,13 +77,13 @@ class RowOps:
     (``kvshelf.model.exact_ops``, temperature 0's)."""
 
     rms_norm: Callable[[np.ndarray, np.ndarray, float], np.ndarray]
-    gelu_approx: Callable[[np.ndarray], np.ndarray]
-    silu: Callable[[np.ndarray], np.ndarray]
+    gelu_gate: Callable[[np.ndarray, np.ndarray], np.ndarray]  # act(gate) * up
+    silu_gate: Callable[[np.ndarray, np.ndarray], np.ndarray]
     tables: Callable[[Rope, np.ndarray], tuple[np.ndarray, np.ndarray]]
 
 
-FAST = RowOps(native_ops.rms_norm, native_ops.gelu_approx, native_ops.silu, Rope.tables)
-EXACT = RowOps(exact_ops.rms_norm, exact_ops.gelu_approx, exact_ops.silu, exact_ops.tables)
+FAST = RowOps(native_ops.rms_norm, native_ops.gelu_gate, native_ops.silu_gate, Rope.tables)
+EXACT = RowOps(exact_ops.rms_norm, exact_ops.gelu_gate, exact_ops.silu_gate, exact_ops.tables)
 
 
 @dataclass
@@ -154,7 +154,7 @@ class NativeDecoder:
         self._final = _norm_weight(body.norm, self.norm_offset)
         self._deferred: list[tuple[Any, np.ndarray, np.ndarray, Any]] = []
         # one step's RoPE tables, by rotation and positions
-        self._tables: dict[tuple[tuple[float, bytes], bytes], tuple[np.ndarray, np.ndarray]] = {}
+        self._tables: dict[tuple[tuple[float, bytes], int | bytes], tuple[np.ndarray, np.ndarray]] = {}
         self.window: int | None = None
 
     def takes(self, inputs: mx.array, cache: Any) -> bool:
@@ -218,11 +218,12 @@ class NativeDecoder:
         if "q" in layer.norms:
             norm = self._ops.rms_norm
             q, k = norm(q, layer.norms["q"], self._eps), norm(k, layer.norms["k"], self._eps)
-        positions = np.broadcast_to(np.asarray(cache.offset).reshape(-1), (b,))
         # Every layer of a step rotates at the same positions: each rotation's tables once a step.
-        key = (layer.rope.angles_key, positions.tobytes())
+        offset = cache.offset
+        key = (layer.rope.angles_key, offset if isinstance(offset, int) else np.asarray(offset).tobytes())
         if key not in self._tables:
-            self._tables[key] = self._ops.tables(layer.rope, positions)
+            positions = np.asarray(offset).reshape(-1)
+            self._tables[key] = self._ops.tables(layer.rope, np.repeat(positions, b // positions.size))
         cos, sin = self._tables[key]
         q, k = layer.rope(q, cos, sin), layer.rope(k, cos, sin)
         if self.exact:
@@ -234,9 +235,8 @@ class NativeDecoder:
         coded = cache.read_back(k, v) if self.defer_updates and hasattr(cache, "advance") else None
         if coded is not None:
             key_buf, value_buf, lo, end = cache.previous_columns(mx.float32)
-            keys_np = buffer_view(key_buf[0])[:, :, lo:end]
-            values_np = buffer_view(value_buf[0])[:, :, lo:end]
-            out = attend(q, keys_np, values_np, mask, layer.scale, new_keys=coded.keys, new_values=coded.values)
+            keys_np, values_np = buffer_view(key_buf[0]), buffer_view(value_buf[0])
+            out = attend(q, keys_np, values_np, mask, layer.scale, None, coded.keys, coded.values, (lo, end))
             self._deferred.append((cache, k, v, coded))
             return self._product(out, layer.o)
         keys, values = cache.update_and_fetch(mx.array(k[:, :, None, :]), mx.array(v[:, :, None, :]))
@@ -268,11 +268,11 @@ class Gemma3Decoder(NativeDecoder):
         return full, sliding
 
     def _block(self, layer: NativeLayer, h: np.ndarray, mask: Any, cache: Any) -> np.ndarray:
-        n, eps, norm, gelu = layer.norms, self._eps, self._ops.rms_norm, self._ops.gelu_approx
+        n, eps, norm = layer.norms, self._eps, self._ops.rms_norm
         r = self._attention(layer, norm(h, n["input"], eps), mask, cache)
         h = h + norm(r, n["post_attention"], eps)
         x = norm(h, n["pre_feedforward"], eps)
-        r = self._product(gelu(self._product(x, layer.gate)) * self._product(x, layer.up), layer.down)
+        r = self._product(self._ops.gelu_gate(self._product(x, layer.gate), self._product(x, layer.up)), layer.down)
         return h + norm(r, n["post_feedforward"], eps)
 
 
@@ -296,7 +296,8 @@ class LlamaDecoder(NativeDecoder):
         n, eps, norm = layer.norms, self._eps, self._ops.rms_norm
         h = h + self._attention(layer, norm(h, n["input"], eps), mask, cache)
         x = norm(h, n["post_attention"], eps)
-        return h + self._product(self._ops.silu(self._product(x, layer.gate)) * self._product(x, layer.up), layer.down)
+        gated = self._ops.silu_gate(self._product(x, layer.gate), self._product(x, layer.up))
+        return h + self._product(gated, layer.down)
 
 
 def _gemma3(model: nn.Module, product: Gemm, exact: bool) -> NativeDecoder | None:
