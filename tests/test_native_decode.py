@@ -138,6 +138,9 @@ def test_attention_matches_mlx_with_grouped_heads_and_masks(mask_kind, layout, s
     for splits in (None, 1, 2, 3):
         got = attend(q, keys, values, mask_bias(mask), 0.125, splits)
         assert close(got, np.array(want).reshape(b, heads * d), 1e-5), splits
+        if layout == "working set":  # the whole buffers and the columns read: the same bits
+            whole = attend(q, buffers[0], buffers[1], mask_bias(mask), 0.125, splits, span=(9, width + 9))
+            assert np.array_equal(whole, got), splits
     if width >= 2 * SPLIT_COLUMNS:
         assert column_splits(b * kv, width) == min(2, usable_cpus())
     for pairs in (1, 2, 3, 4, 9):  # every core gets as many jobs as the others on a long context
