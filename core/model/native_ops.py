@@ -61,11 +61,12 @@ def _gate_kernel() -> Any:
     """An MLP's gate: ``act(gate) * up`` in one compiled pass over the rows (as numpy, ten
     operations on Gemma 3's 2048 floats, 24-28 us a layer), both activations as
     ``x * sigmoid(z)``: the tanh GELU is ``x * sigmoid(2 sqrt(2/pi) (x + 0.044715 x^3))``,
-    SiLU ``x * sigmoid(x)``. The exp in two vector loops as in ``_attention_kernel``
-    (Cephes' expf, within 3e-7), its argument kept within fp32's range, so the sigmoid
-    goes to exactly 0 or 1 at the ends (compiled once per process, cached on disk by
-    numba)."""
+    SiLU ``x * sigmoid(x)``. The exp in two vector loops (``kvshelf.model.vector_exp``),
+    its argument kept within fp32's range, so the sigmoid goes to exactly 0 or 1 at the
+    ends (compiled once per process, cached on disk by numba)."""
     from numba import njit
+
+    from kvshelf.model import vector_exp  # reached as a module attribute: see that module
 
     @njit(fastmath=True, cache=True, boundscheck=False)
     def gate_times_up(gate, up, gelu, out):
@@ -74,12 +75,7 @@ def _gate_kernel() -> Any:
         for i in range(n):
             x = gate[i]
             z = np.float32(2.0) * _GELU_C * (x + np.float32(0.044715) * x * x * x) if gelu else x
-            c = min(max(-z, EXP_FLOOR), EXP_CEILING)  # exp(-z)
-            power = np.floor(c * LOG2E + np.float32(0.5))
-            r = c - power * LN2_HIGH - power * LN2_LOW
-            e = ((((EXP_5 * r + EXP_4) * r + EXP_3) * r + EXP_2) * r + EXP_1) * r + EXP_0
-            out[i] = e * r * r + r + np.float32(1.0)
-            powers[i] = (np.int32(power) + np.int32(127)) << np.int32(23)
+            out[i], powers[i] = vector_exp.parts(min(max(-z, vector_exp.FLOOR), vector_exp.CEILING))  # exp(-z)
         scales = powers.view(np.float32)
         for i in range(n):
             out[i] = gate[i] / (np.float32(1.0) + out[i] * scales[i]) * up[i]
@@ -214,18 +210,6 @@ def _rows_of(a: np.ndarray) -> tuple[np.ndarray, int]:
     return np.ascontiguousarray(a).reshape(b * kv * width, d), width
 
 
-# The attention weights' exp (``_attention_kernel``): Cephes' single-precision expf, within
-# 3e-7 of the exact exp (relative) over every weight a softmax takes, and 0 below EXP_FLOOR
-# (exp(-87) is 1.6e-38, under fp32's smallest normal). Numba's own np.exp runs a scalar
-# call a lane: 2.4 ns an element on this 2-core EPYC against 0.31 here (scratch run, a
-# million elements), where the llama's 16K context takes 4.4 million exps a step per agent.
-LOG2E = F32(1.4426950408889634)
-LN2_HIGH, LN2_LOW = F32(0.693359375), F32(-2.12194440e-4)
-EXP_5, EXP_4, EXP_3 = F32(1.9875691500e-4), F32(1.3981999507e-3), F32(8.3334519073e-3)
-EXP_2, EXP_1, EXP_0 = F32(4.1665795894e-2), F32(1.6666665459e-1), F32(5.0000001201e-1)
-EXP_FLOOR = F32(-87.0)
-EXP_CEILING = F32(88.0)  # exp(88) is 1.7e38, under fp32's largest
-
 # Columns below which a head's keys are not split between jobs: a job's fixed cost (a few
 # microseconds) would outweigh what a second core reads.
 SPLIT_COLUMNS = 256
@@ -244,6 +228,8 @@ def _attention_kernel() -> Any:
     to any sum; a range of columns all hidden weighs nothing, and a row that sees no column
     gets zeros (compiled once per process, cached on disk by numba)."""
     from numba import njit, prange
+
+    from kvshelf.model import vector_exp  # reached as a module attribute: see that module
 
     @njit(parallel=True, fastmath=True, cache=True, boundscheck=False)
     def grouped_decode(q, k, v, pitch, first, bias, splits, new_k, new_v, extra, out):
@@ -287,20 +273,13 @@ def _attention_kernel() -> Any:
                 top = MASKED
                 for t in range(n):
                     top = max(top, scores[g, t])
-                # exp(score - top) in two vector loops (numba's np.exp is a scalar call a
-                # lane): exp(x) = 2**k * exp(r), r = x - k ln 2 in [-ln2/2, ln2/2], exp(r)
-                # by Cephes' expf polynomial, 2**k put together in an int32's exponent bits.
-                # Below EXP_FLOOR the weight is exactly 0 (masked columns and underflow).
+                # exp(score - top) in two vector loops (``kvshelf.model.vector_exp``); at
+                # its floor and below the weight is exactly 0 (masked columns, underflow)
                 for t in range(n):
                     x = scores[g, t] - top
-                    c = max(x, EXP_FLOOR)
-                    power = np.floor(c * LOG2E + np.float32(0.5))
-                    r = c - power * LN2_HIGH - power * LN2_LOW
-                    e = ((((EXP_5 * r + EXP_4) * r + EXP_3) * r + EXP_2) * r + EXP_1) * r + EXP_0
-                    e = e * r * r + r + np.float32(1.0)
-                    powers[t] = (np.int32(power) + np.int32(127)) << np.int32(23)
+                    e, powers[t] = vector_exp.parts(max(x, vector_exp.FLOOR))
                     # a range that sees nothing (every column hidden) weighs nothing
-                    scores[g, t] = e if x >= EXP_FLOOR and top > MASKED else np.float32(0.0)
+                    scores[g, t] = e if x >= vector_exp.FLOOR and top > MASKED else np.float32(0.0)
                 scales = powers.view(np.float32)
                 denominator = np.float32(0.0)
                 for t in range(n):
