@@ -22,13 +22,16 @@ None here and keeps the module path. Which calls: decode steps of 1..``MAX_LAYER
 agents over caches that hand over dense K/V (``dense_decode``: the KV schemes' working
 sets; plain Q4's packed rows go to ``quantized_matmul`` in the module path).
 
-Exactness: the same function as the model to fp32 rounding, not bit for bit (numpy's
-sums and MLX's differ in order); checked when built, against the model's own call on a
-probe, and in ``tests/test_native_decode.py``. Only the default kernels (sampling) run
-it: temperature-0 requests keep the shape-invariant kernels, whose K/V must have the bits
-a prefill gives them. Given the same state, a step gives the same bits every time, so an
-agent restored from disk continues bit-identically to one kept in RAM.
-``KVSHELF_NO_NATIVE_DECODE=1`` keeps the module path.
+Exactness: the default kernels' step (``FAST`` operations) is the same function as the
+model to fp32 rounding, not bit for bit (numpy's sums and MLX's differ in order); checked
+when built, against the model's own call on a probe, and in ``tests/test_native_decode.py``.
+Temperature 0's step (``exact``: ``EXACT`` operations from ``kvshelf.model.exact_ops``, the
+row-invariant products, ordered attention) has the bits of the shape-invariant kernels'
+module path, whose K/V must have the bits a prefill gives them; its probe allows no
+difference at all (``tests/test_exact_decode.py``). Given the same state, a step gives the
+same bits every time, so an agent restored from disk continues bit-identically to one
+kept in RAM. ``KVSHELF_NO_NATIVE_DECODE=1`` keeps the module path for both,
+``KVSHELF_NO_EXACT_DECODE=1`` for temperature 0's.
 """
 
 from __future__ import annotations
@@ -53,7 +56,7 @@ from kvshelf.model.skinny import MAX_LAYER_ROWS
 from kvshelf.switches import env_on
 
 OFF = env_on("KVSHELF_NO_NATIVE_DECODE")
-# Temperature 0's steps keep the module path (MLX's graph around the row-invariant products).
+# Set: temperature 0's steps keep the module path (MLX's graph around the row-invariant products).
 OFF_EXACT = env_on("KVSHELF_NO_EXACT_DECODE")
 
 # How far the native step's hidden state may lie from the model's own on the build probe,

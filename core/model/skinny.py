@@ -199,7 +199,8 @@ SKINNY_CHUNK_ROWS = 5
 
 def _product(x: np.ndarray, weight: np.ndarray) -> np.ndarray:
     """``x @ weight.T`` for ``x`` (m, k) and ``weight`` (n, k), fp32, C-contiguous; each row's
-    bits its own (``SKINNY_ROWS`` rows a call at most)."""
+    bits its own (up to ``SKINNY_ROWS`` rows in one call of the loop, more in even calls of
+    at most ``SKINNY_CHUNK_ROWS``)."""
     x = _checked(x, weight)
     rows = x.shape[0]
     out = np.empty((rows, weight.shape[0]), dtype=np.float32)
