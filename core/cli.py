@@ -16,7 +16,7 @@ import sys
 import threading
 from pathlib import Path
 
-from kvshelf.ctrl_c import from_ctrl_c, on_ctrl_c
+from kvshelf.ctrl_c import from_ctrl_c, on_ctrl_c, quiet_lost_ctrl_c
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
@@ -244,6 +244,7 @@ def _demo_with_ctrl_c(argv: list[str]) -> int:
     third of a second more, for nothing."""
     if threading.current_thread() is threading.main_thread():  # signal handlers belong to the main thread
         signal.signal(signal.SIGINT, on_ctrl_c)
+        sys.unraisablehook = quiet_lost_ctrl_c
     try:
         return _command(argv)
     except BaseException as exc:

@@ -8,7 +8,9 @@ model's load let the demo talk on to its end (seen once in a full test run under
 
 from __future__ import annotations
 
+import sys
 import threading
+from typing import Any
 
 _ctrl_c_pressed = threading.Event()
 
@@ -21,6 +23,17 @@ def on_ctrl_c(signum: int, frame: object) -> None:
     flag after the load and at every streamed piece."""
     _ctrl_c_pressed.set()
     raise KeyboardInterrupt
+
+
+def quiet_lost_ctrl_c(unraisable: Any) -> None:
+    """``sys.unraisablehook``: a Ctrl-C whose KeyboardInterrupt Python could not raise (the
+    handler ran inside a weakref callback, such as importlib's module lock's while the model's
+    modules load) is carried by the flag, so it prints nothing; before, Python printed
+    "Exception ignored ... Traceback" for it (seen in a full test run). Anything else goes
+    to Python's own hook."""
+    if isinstance(unraisable.exc_value, KeyboardInterrupt) and _ctrl_c_pressed.is_set():
+        return
+    sys.__unraisablehook__(unraisable)
 
 
 def raise_if_ctrl_c_was_pressed() -> None:
