@@ -71,7 +71,7 @@ import kvshelf  # noqa: F401  (preloads OpenBLAS, which must come before mlx)
 import mlx.core as mx
 import mlx.nn as nn
 from common import RESULTS, write_json
-from mlx.utils import tree_map
+from mlx.utils import tree_flatten, tree_map
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import _get_classes
 
@@ -89,7 +89,7 @@ from kvbench.decode_steps import (
 from kvshelf.kv import working_set
 from kvshelf.kv.agent_cache import AgentCache
 from kvshelf.kv.schemes import DEFAULT_SCHEME, SCHEMES
-from kvshelf.model import few_rows, skinny
+from kvshelf.model import few_rows, half_weights, skinny
 from kvshelf.model.gemv import with_fast_linears
 from kvshelf.model.head import ProjectedModel, with_fast_head
 from kvshelf.model.huge_pages import THREAD_NAME as HUGE_PAGES_THREAD
@@ -160,6 +160,7 @@ PATHS = (
     "no-prefetch",
     "no-native",
     "no-defer",
+    "fp32-weights",
 )
 
 
@@ -175,6 +176,15 @@ def with_switch(model: nn.Module, switch: str) -> nn.Module | ProjectedModel:
     finally:
         del os.environ[switch]
         skinny.blocked_product.cache_clear()
+
+
+def read_bytes(model: nn.Module) -> int:
+    """The weight bytes a default decode step reads: each weight once, as fp16 codes where
+    those hold it (``kvshelf.model.half_weights``: every 2-D weight of the embedded Gemma 3,
+    none of the llama's random fp32 ones), else as fp32."""
+    params = tree_flatten(model.parameters())
+    assert isinstance(params, list)
+    return sum(v.nbytes // 2 if v.ndim == 2 and half_weights.half_of(v) is not None else v.nbytes for _, v in params)
 
 
 def engine_forward(model: nn.Module, blis: bool | None = None) -> nn.Module | ProjectedModel:
@@ -213,6 +223,8 @@ def run(
         no_skinny = with_fast_linears(model, skinny=False)  # the projections as before kvshelf.model.skinny
         no_blocks = with_switch(model, "KVSHELF_NO_ROW_BLOCKS") if "no-blocks" in paths else None
         no_prefetch = with_switch(model, "KVSHELF_NO_PREFETCH") if "no-prefetch" in paths else None
+        # every weight read as fp32, where the default reads fp16 codes that hold it (kvshelf.model.half_weights)
+        fp32_weights = with_switch(model, "KVSHELF_NO_HALF_WEIGHTS") if "fp32-weights" in paths else None
         # what a temperature-0 request runs (LoadedModel.greedy_forward): the shape-invariant kernels
         greedy = with_fast_linears(model, all_rows=True, attention=True) if "greedy" in paths else None
         # the same kernels with the layers through MLX's graph (before temperature 0's native step)
@@ -225,8 +237,12 @@ def run(
             else None
         )
         floor_ms = wbytes / (gbs * 1e9) * 1e3
-        floors[name] = {**bw, "weight_bytes": wbytes, "floor_ms": round(floor_ms, 1)}
-        print(f"\n{name}: {len(spec.layers)} layers, weights {wbytes / 1e9:.3f} GB, floor {floor_ms:.1f} ms/step")
+        read = read_bytes(model)
+        floors[name] = {**bw, "weight_bytes": wbytes, "floor_ms": round(floor_ms, 1), "read_bytes": read}
+        print(
+            f"\n{name}: {len(spec.layers)} layers, weights {wbytes / 1e9:.3f} GB, floor {floor_ms:.1f} ms/step; "
+            f"the default path reads {read / 1e9:.3f} GB of them (fp16 codes where they hold a weight)"
+        )
         for context in contexts:
             # every (path, batch) of this context takes its steps in rounds, one step each,
             # beside one pass of the floor's own read: the machine drifts over a run
@@ -258,6 +274,8 @@ def run(
                         kinds.append((True, f"{scheme} no row blocks", no_blocks))
                     if no_prefetch is not None:
                         kinds.append((True, f"{scheme} no prefetch", no_prefetch))
+                    if fp32_weights is not None:
+                        kinds.append((True, f"{scheme} fp32 weights", fp32_weights))
                     if no_native is not None:
                         kinds.append((True, f"{scheme} no native step", no_native))
                     if no_defer is not None:
@@ -289,6 +307,9 @@ def run(
                         "working_set_mb": round(stepper.ws.nbytes / 1e6, 1),
                         "floor_ms_in_rounds": round(floor_now, 1),
                         "x_floor_in_rounds": round(statistics.median(t) / floor_now, 2),
+                        # against the bytes the default path reads (fp16 codes where they hold a weight)
+                        "read_floor_ms_in_rounds": round(floor_now * read / wbytes, 1),
+                        "x_read_floor_in_rounds": round(statistics.median(t) / (floor_now * read / wbytes), 2),
                     }
                 )
             del runs

@@ -21,10 +21,12 @@ import mlx.core as mx
 import numpy as np
 
 from kvshelf.kv import row_coding
-from kvshelf.model import native_ops, skinny
+from kvshelf.model import half_weights, native_ops, skinny
 from kvshelf.model.ordered_attention import ordered_attention
 
 assert skinny.blocked_product() is not None and skinny.invariant_blocked_product() is not None
+assert skinny.reads_halves(skinny.blocked_product()) and skinny.reads_halves(skinny.invariant_blocked_product())
+assert half_weights.half_copy(np.ones((4, 64), dtype=np.float32)) is not None
 rng = np.random.default_rng(0)
 x = rng.standard_normal((3, 256), dtype=np.float32)
 row_coding.quantize(row_coding.hadamard(x), 64, 4)
@@ -47,7 +49,7 @@ def test_a_second_process_compiles_nothing(tmp_path):
     runs = [subprocess.run(command, env=env, capture_output=True, text=True) for _ in range(2)]
     assert all(r.returncode == 0 for r in runs), [r.stderr[-3000:] for r in runs]
     first, second = (r.stdout + r.stderr for r in runs)
-    loops = ("rows_by_weight_in_blocks", "quantize_rows", "gate_times_up", "grouped_decode")
+    loops = ("rows_by_weight_in_blocks", "quantize_rows", "gate_times_up", "grouped_decode", "halve")
     for loop in (*loops, "rms_rows", "rotate", "attend"):
         assert loop in first and "data saved" in first, loop
     saved = [line for line in second.splitlines() if "data saved" in line]

@@ -64,12 +64,13 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from kvshelf.model import half_weights
 from kvshelf.model.arrays import buffer_view
 from kvshelf.model.dot_bound import dot_error_bound
 from kvshelf.model.few_rows import MAX_FEW_ROWS, Gemm
 from kvshelf.model.native_decode import NativeDecoder
 from kvshelf.model.sgemv import Sgemv, each_row, system_sgemv
-from kvshelf.model.skinny import blocked_product, skinny_product
+from kvshelf.model.skinny import blocked_product, reads_halves, skinny_product
 
 
 def _projection(model: nn.Module) -> tuple[Callable[[mx.array], mx.array], nn.Module] | None:
@@ -131,6 +132,9 @@ class ProjectedModel:
         self.skinny = skinny
         few = skinny_product() if all_rows else blocked_product()
         self._rows_apart: Gemm = (skinny and few) or partial(each_row, sgemv)
+        # That product reads the head as fp16 codes where they hold it exactly (the same
+        # bits from half the bytes: ``kvshelf.model.half_weights``); sgemv reads fp32.
+        self._halves = bool(skinny and few) and half_weights.enabled() and reads_halves(self._rows_apart)
         # Decode steps the body's layers on numpy rows instead (kvshelf.model.native_decode),
         # where given and the call is one it takes; every other call goes through ``body``.
         self.native = native
@@ -149,6 +153,12 @@ class ProjectedModel:
         view.flags.writeable = False
         return view
 
+    def rows_weight(self) -> np.ndarray:
+        """The head as ``project_rows_apart``'s product reads it: its fp16 codes where they
+        hold it and the product reads them (made once a weight), else ``weight_view``."""
+        half = half_weights.half_of(self._head["weight"]) if self._halves else None
+        return half if half is not None else self.weight_view()
+
     def project_row(self, h: mx.array) -> mx.array:
         """Logits for one hidden row ``h`` (shape ``(hidden,)``), as ``project_rows_apart``."""
         return self.project_rows_apart(h[None])[0]
@@ -160,7 +170,7 @@ class ProjectedModel:
         Otherwise a row alone has the same bits as ``all_rows`` gives it, and rows together
         those of the blocked product (``kvshelf.model.skinny.blocked_product``)."""
         rows = buffer_view(hidden.astype(mx.float32)).reshape(-1, hidden.shape[-1])
-        return mx.array(self._rows_apart(rows, self.weight_view())).reshape(*hidden.shape[:-1], -1)
+        return mx.array(self._rows_apart(rows, self.rows_weight())).reshape(*hidden.shape[:-1], -1)
 
     def project(self, hidden: mx.array) -> mx.array:
         """Logits for ``hidden`` of shape (batch, length, dim). Each row apart

@@ -46,13 +46,13 @@ import numpy as np
 from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache
 
-from kvshelf.model import exact_ops, native_ops
+from kvshelf.model import exact_ops, half_weights, native_ops
 from kvshelf.model.arrays import buffer_view
 from kvshelf.model.attention import ordered_step
 from kvshelf.model.few_rows import Gemm
 from kvshelf.model.native_ops import F32, Rope, attend, mask_bias
 from kvshelf.model.ordered_attention import ordered_attention_available
-from kvshelf.model.skinny import MAX_LAYER_ROWS
+from kvshelf.model.skinny import MAX_LAYER_ROWS, reads_halves
 from kvshelf.switches import env_on
 
 OFF = env_on("KVSHELF_NO_NATIVE_DECODE")
@@ -65,12 +65,16 @@ OFF_EXACT = env_on("KVSHELF_NO_EXACT_DECODE")
 PROBE_TOLERANCE = 1e-4
 
 
-def _plain_weight(layer: Any) -> np.ndarray | None:
-    """A bias-free fp32 ``nn.Linear``'s weight as a numpy view, else None."""
+def _plain_weight(layer: Any, halves: bool) -> np.ndarray | None:
+    """A bias-free fp32 ``nn.Linear``'s weight as a numpy view, else None; with ``halves``
+    its fp16 codes where they hold it (``kvshelf.model.half_weights``)."""
     if type(layer) is not nn.Linear or "bias" in layer or layer["weight"].dtype != mx.float32:
         return None
     w = buffer_view(layer["weight"])
-    return w if w.flags.c_contiguous else None
+    if not w.flags.c_contiguous:
+        return None
+    half = half_weights.half_of(layer["weight"]) if halves else None
+    return w if half is None else half
 
 
 @dataclass(frozen=True)
@@ -91,7 +95,8 @@ EXACT = RowOps(exact_ops.rms_norm, exact_ops.gelu_gate, exact_ops.silu_gate, exa
 
 @dataclass
 class NativeLayer:
-    """One transformer layer's weights (numpy views over MLX's buffers) and settings."""
+    """One transformer layer's weights (numpy views over MLX's buffers, or their fp16 codes:
+    ``kvshelf.model.half_weights``) and settings."""
 
     q: np.ndarray
     k: np.ndarray
@@ -112,10 +117,10 @@ def _norm_weight(norm: Any, offset: float) -> np.ndarray:
     return buffer_view(norm["weight"]).astype(F32) + F32(offset)
 
 
-def _layer(block: Any, norms: dict[str, Any], offset: float, sliding: bool) -> NativeLayer | None:
+def _layer(block: Any, norms: dict[str, Any], offset: float, sliding: bool, halves: bool) -> NativeLayer | None:
     attn, mlp = block.self_attn, block.mlp
-    weights = [_plain_weight(m) for m in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj)]
-    weights += [_plain_weight(m) for m in (mlp.gate_proj, mlp.up_proj, mlp.down_proj)]
+    weights = [_plain_weight(m, halves) for m in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj)]
+    weights += [_plain_weight(m, halves) for m in (mlp.gate_proj, mlp.up_proj, mlp.down_proj)]
     rope = Rope.of(attn.rope)
     if rope is None or any(w is None for w in weights):
         return None
@@ -127,6 +132,11 @@ def _layer(block: Any, norms: dict[str, Any], offset: float, sliding: bool) -> N
         norms={name: _norm_weight(n, offset) for name, n in norms.items()},
         rope=rope, heads=attn.n_heads, kv_heads=attn.n_kv_heads, scale=float(attn.scale), sliding=sliding,
     )  # fmt: skip
+
+
+def _reads_halves(product: Gemm) -> bool:
+    """Whether the layers go to ``product`` as fp16 codes where those hold them."""
+    return half_weights.enabled() and reads_halves(product)
 
 
 class NativeDecoder:
@@ -314,7 +324,7 @@ def _gemma3(model: nn.Module, product: Gemm, exact: bool) -> NativeDecoder | Non
             "q": attn.q_norm, "k": attn.k_norm,
         }  # fmt: skip
         sliding = i % args.sliding_window_pattern != args.sliding_window_pattern - 1
-        layer = _layer(block, norms, 1.0, sliding)
+        layer = _layer(block, norms, 1.0, sliding, _reads_halves(product))
         if layer is None:
             return None
         layers.append(layer)
@@ -329,7 +339,7 @@ def _llama(model: nn.Module, product: Gemm, exact: bool) -> NativeDecoder | None
         if not isinstance(block.input_layernorm, nn.RMSNorm):
             return None
         norms = {"input": block.input_layernorm, "post_attention": block.post_attention_layernorm}
-        layer = _layer(block, norms, 0.0, bool(block.use_sliding))
+        layer = _layer(block, norms, 0.0, bool(block.use_sliding), _reads_halves(product))
         if layer is None:
             return None
         layers.append(layer)

@@ -53,6 +53,7 @@ import numpy as np
 from kvshelf.model.blas import usable_cpus
 from kvshelf.model.dot_bound import dot_error_bound
 from kvshelf.model.few_rows import MAX_FEW_ROWS, Gemm
+from kvshelf.model.half_weights import CODES
 from kvshelf.switches import env_on
 
 # The most rows a layer projection sends here. Alone, each of Gemma 3's layer shapes is faster
@@ -74,12 +75,13 @@ MIN_LAYER_BYTES = 1 << 18
 
 
 def _signatures() -> list[Any]:
-    """A kernel's two signatures: rows and out are writable, the weight may be a read-only
-    view (``ProjectedModel.weight_view``), which numba types apart."""
+    """A kernel's signatures: rows and out are writable, the weight may be a read-only view
+    (``ProjectedModel.weight_view``), which numba types apart, of fp32 or of fp16 codes
+    (``kvshelf.model.half_weights``)."""
     from numba import types
 
     rows, out = types.Array(types.float32, 2, "C"), types.Array(types.float32, 2, "C")
-    weights = (types.Array(types.float32, 2, "C"), types.Array(types.float32, 2, "C", readonly=True))
+    weights = [types.Array(t, 2, "C", readonly=r) for t in (types.float32, types.uint16) for r in (False, True)]
     return [types.void(rows, w, out) for w in weights]
 
 
@@ -89,6 +91,8 @@ def _kernel() -> Any:
     process, cached on disk by numba)."""
     from numba import njit, prange
 
+    from kvshelf.model import half_floats
+
     @njit(_signatures(), parallel=True, fastmath=True, cache=True, boundscheck=False)
     def rows_by_weight(x: np.ndarray, weight: np.ndarray, out: np.ndarray) -> None:
         rows, k = x.shape
@@ -96,7 +100,7 @@ def _kernel() -> Any:
             for b in range(rows):
                 total = np.float32(0.0)
                 for i in range(k):
-                    total += x[b, i] * weight[j, i]
+                    total += x[b, i] * half_floats.widen(weight[j, i])
                 out[b, j] = total
 
     return rows_by_weight
@@ -141,7 +145,7 @@ def _block_loop(block: int, tile: int, ahead: int = 0) -> Any:
     (block, tile, ahead)."""
     from numba import njit, prange
 
-    from kvshelf.model import prefetch
+    from kvshelf.model import half_floats, prefetch
     from kvshelf.model.prefetch import LINE_FLOATS
 
     prefetched = tile if ahead > 0 else 0  # weight rows each tile asks for (a constant here)
@@ -161,7 +165,7 @@ def _block_loop(block: int, tile: int, ahead: int = 0) -> Any:
                 sums = np.zeros((tile, block), dtype=np.float32)
                 for i in range(k):
                     for t in range(tile):
-                        w = weight[j + t, i]
+                        w = half_floats.widen(weight[j + t, i])
                         for r in range(block):
                             sums[t, r] += x[b + r, i] * w
                 for t in range(first - j, tile):
@@ -176,10 +180,14 @@ def _loop_for(block: int, tile: int, weight: np.ndarray, ahead: int = 0) -> Any:
     return _block_loop(block, min(tile, weight.shape[0]), ahead)
 
 
+# What the kernels read a weight as: fp32, or fp16 codes (``kvshelf.model.half_weights``).
+WEIGHT_DTYPES = (np.dtype(np.float32), np.dtype(CODES))
+
+
 def _checked(x: np.ndarray, weight: np.ndarray) -> np.ndarray:
     """``x`` as the kernels take it (fp32, C-contiguous), after checking both shapes."""
     x = np.ascontiguousarray(x, dtype=np.float32)
-    if x.ndim != 2 or weight.ndim != 2 or x.shape[1] != weight.shape[1] or weight.dtype != np.float32:
+    if x.ndim != 2 or weight.ndim != 2 or x.shape[1] != weight.shape[1] or weight.dtype not in WEIGHT_DTYPES:
         raise ValueError(f"skinny product: {x.shape} by {weight.shape} ({weight.dtype})")
     if not weight.flags.c_contiguous:
         raise ValueError("skinny product: the weight must be C-contiguous (a view of MLX's buffer, never copied)")
@@ -412,3 +420,22 @@ def blocked_product() -> Gemm | None:
         return skinny_product()
     product = blocked_without_prefetch() if env_on("KVSHELF_NO_PREFETCH") else _blocked
     return product if _exact(product) else skinny_product()
+
+
+@cache
+def reads_halves(product: Gemm) -> bool:
+    """Whether ``product`` of a weight's fp16 codes (``kvshelf.model.half_weights``) has the
+    bits of the same product of its fp32 values, for 1..MAX_FEW_ROWS+1 rows (the widened
+    element is the same fp32, but LLVM compiles each signature apart: checked, not assumed)."""
+    rng = np.random.default_rng(6)
+    for n, k in ((1003, 640), (257, 2051), (64, 9)):
+        half = rng.standard_normal((n, k)).astype(np.float16)
+        x = rng.standard_normal((MAX_FEW_ROWS + 1, k)).astype(np.float32)
+        codes, weight = half.view(CODES), half.astype(np.float32)
+        try:
+            same = all(np.array_equal(product(x[:m], codes), product(x[:m], weight)) for m in range(1, len(x) + 1))
+        except (ValueError, TypeError):  # a product that takes fp32 only (sgemv's)
+            return False
+        if not same:
+            return False
+    return True
