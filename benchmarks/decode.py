@@ -45,7 +45,8 @@ after another put that drift into their ratios.
 Caches are filled with random K/V of the right shapes (timing does not depend on their
 values), so a 16K context costs seconds to set up instead of minutes of prefill.
 Models: the embedded Gemma 3 270M, and a llama-family model of SmolLM2-135M's shape
-(30 thin layers, GQA) with random weights, built in memory.
+(30 thin layers, GQA) with random weights, built in memory: fp32 values (``llama30``), or
+the same rounded to bf16 (``llama30-bf16``), as a published bf16 checkpoint loads.
 
     python benchmarks/decode.py [--quick] [--models embedded,llama30] [--contexts 1024,4096,16384]
         [--batches 1,2,4,8] [--paths mlx-lm,default,q4,per-step]
@@ -129,16 +130,21 @@ def build_model(name: str, huge_pages: bool = True) -> nn.Module:
             return load("embedded", progress=False).model
         finally:
             del os.environ["KVSHELF_NO_HUGE_PAGES"]
-    if name == "llama30":
+    if name in ("llama30", "llama30-bf16"):
         model_cls, args_cls = _get_classes(LLAMA30)
         model = model_cls(args_cls.from_dict(LLAMA30))
         mx.random.seed(0)
-        model.update(tree_map(lambda p: (mx.random.normal(p.shape) * 0.02).astype(mx.float32), model.parameters()))
+        # llama30-bf16: the same weights rounded to bf16, as a published checkpoint (SmolLM2's is
+        # bf16) loads for the CPU (fp32 arrays of bf16 values), which the products read as bf16 codes
+        kind = mx.bfloat16 if name == "llama30-bf16" else mx.float32
+        model.update(
+            tree_map(lambda p: (mx.random.normal(p.shape) * 0.02).astype(kind).astype(mx.float32), model.parameters())
+        )
         materialize(model)
         if huge_pages:
             collapse(weights_of(model))
         return model
-    raise ValueError(f"unknown model {name!r}; known: embedded, llama30")
+    raise ValueError(f"unknown model {name!r}; known: embedded, llama30, llama30-bf16")
 
 
 # "blis" (or "no-blis"): the engine with the other setting of BLIS for a batch's rows beside it
@@ -179,9 +185,9 @@ def with_switch(model: nn.Module, switch: str) -> nn.Module | ProjectedModel:
 
 
 def read_bytes(model: nn.Module) -> int:
-    """The weight bytes a default decode step reads: each weight once, as fp16 codes where
-    those hold it (``kvshelf.model.half_weights``: every 2-D weight of the embedded Gemma 3,
-    none of the llama's random fp32 ones), else as fp32."""
+    """The weight bytes a default decode step reads: each weight once, as fp16 or bf16 codes where
+    those hold it (``kvshelf.model.half_weights``: every 2-D weight of the embedded Gemma 3 and of
+    ``llama30-bf16``, none of ``llama30``'s random fp32 ones), else as fp32."""
     params = tree_flatten(model.parameters())
     assert isinstance(params, list)
     return sum(v.nbytes // 2 if v.ndim == 2 and half_weights.half_of(v) is not None else v.nbytes for _, v in params)
@@ -241,7 +247,7 @@ def run(
         floors[name] = {**bw, "weight_bytes": wbytes, "floor_ms": round(floor_ms, 1), "read_bytes": read}
         print(
             f"\n{name}: {len(spec.layers)} layers, weights {wbytes / 1e9:.3f} GB, floor {floor_ms:.1f} ms/step; "
-            f"the default path reads {read / 1e9:.3f} GB of them (fp16 codes where they hold a weight)"
+            f"the default path reads {read / 1e9:.3f} GB of them (fp16 or bf16 codes where they hold a weight)"
         )
         for context in contexts:
             # every (path, batch) of this context takes its steps in rounds, one step each,
@@ -307,7 +313,7 @@ def run(
                         "working_set_mb": round(stepper.ws.nbytes / 1e6, 1),
                         "floor_ms_in_rounds": round(floor_now, 1),
                         "x_floor_in_rounds": round(statistics.median(t) / floor_now, 2),
-                        # against the bytes the default path reads (fp16 codes where they hold a weight)
+                        # against the bytes the default path reads (fp16 or bf16 codes where they hold a weight)
                         "read_floor_ms_in_rounds": round(floor_now * read / wbytes, 1),
                         "x_read_floor_in_rounds": round(statistics.median(t) / (floor_now * read / wbytes), 2),
                     }

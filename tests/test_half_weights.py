@@ -17,7 +17,7 @@ from kvshelf.kv.schemes import DEFAULT_SCHEME, SCHEMES
 from kvshelf.kv.working_set import WorkingSets
 from kvshelf.model import half_floats, skinny
 from kvshelf.model.gemv import with_fast_linears
-from kvshelf.model.half_weights import CODES, half_copy, half_of
+from kvshelf.model.half_weights import BRAIN_CODES, CODES, half_copy, half_of
 from kvshelf.model.head import ProjectedModel
 from kvshelf.model.loader import load
 
@@ -46,6 +46,17 @@ def test_widen_gives_every_finite_halfs_value_and_narrow_rounds_as_numpy():
     narrowed = np.empty(values.size, dtype=CODES)
     _narrowed(values, narrowed)
     assert np.array_equal(narrowed, values.astype(np.float16).view(CODES))
+    brains = np.arange(1 << 16, dtype=np.uint16).view(BRAIN_CODES)
+    wide = (brains.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+    got = np.empty(brains.size, dtype=np.float32)
+    _widened(brains, got)
+    finite = np.isfinite(wide)
+    assert np.array_equal(got[finite].view(np.uint32), wide[finite].view(np.uint32))
+
+
+def _bf16(values: np.ndarray) -> np.ndarray:
+    """``values`` (fp32) with their low 16 bits cleared: bf16 values, as fp32."""
+    return (values.view(np.uint32) & np.uint32(0xFFFF0000)).view(np.float32)
 
 
 def test_a_copy_is_made_only_where_fp16_holds_every_bit():
@@ -64,6 +75,14 @@ def test_a_copy_is_made_only_where_fp16_holds_every_bit():
     assert half_copy(off) is None
     assert half_copy(weight[:, ::2]) is None  # not C-contiguous
     assert half_copy(weight.astype(np.float64)) is None
+    # bf16 values that fp16 does not hold (1e-8 is below its subnormals): bf16 codes
+    brain = _bf16(rng.standard_normal((300, 64)).astype(np.float32))
+    brain[5, 5], brain[250, 1] = _bf16(np.array([1e-8, -3e30], dtype=np.float32))
+    copy = half_copy(brain)
+    assert copy is not None and copy.dtype == BRAIN_CODES
+    assert np.array_equal((copy.view(np.uint16).astype(np.uint32) << 16).view(np.float32), brain)
+    brain[299, 63] = np.float32(1 / 3)
+    assert half_copy(brain) is None
 
 
 def test_one_copy_per_mlx_weight_while_it_lives():
@@ -77,16 +96,27 @@ def test_one_copy_per_mlx_weight_while_it_lives():
 def test_every_product_reads_codes_with_the_fp32_weights_bits(rows):
     rng = np.random.default_rng(rows)
     half = rng.standard_normal((1001, 640)).astype(np.float16)
+    brain = _bf16(rng.standard_normal((1001, 640)).astype(np.float32))
+    brain_codes = (brain.view(np.uint32) >> 16).astype(np.uint16).view(BRAIN_CODES)
     x = rng.standard_normal((rows, 640)).astype(np.float32)
     products = [skinny.blocked_product(), skinny.invariant_blocked_product(), skinny.skinny_product()]
     for product in products:
         assert product is not None and skinny.reads_halves(product)
         assert np.array_equal(product(x, half.view(CODES)), product(x, half.astype(np.float32)))
+        assert np.array_equal(product(x, brain_codes), product(x, brain))
 
 
-def _fp16_valued(loaded):
-    """``loaded``'s model with every parameter rounded to fp16 (still fp32 arrays)."""
-    loaded.model.update(tree_map(lambda p: p.astype(mx.float16).astype(mx.float32), loaded.model.parameters()))
+def _narrow_valued(loaded, codes: type):
+    """``loaded``'s model with every parameter rounded to fp16 (``CODES``) or to bf16 with one
+    element of each weight too small for fp16 (``BRAIN_CODES``): still fp32 arrays."""
+
+    def rounded(p: mx.array) -> mx.array:
+        if codes is CODES:
+            return p.astype(mx.float16).astype(mx.float32)
+        p = mx.array(_bf16(np.array(p, dtype=np.float32)))
+        return p.at[(0,) * p.ndim].add(mx.array(1e-8, dtype=mx.bfloat16).astype(mx.float32) - p[(0,) * p.ndim])
+
+    loaded.model.update(tree_map(rounded, loaded.model.parameters()))
     mx.eval(loaded.model.parameters())
     return loaded
 
@@ -114,13 +144,15 @@ def _steps(forward, agents: list[AgentCache], steps: int) -> list[np.ndarray]:
     return out
 
 
-def _reads_codes(forward: ProjectedModel) -> bool:
+def _reads_codes(forward: ProjectedModel, codes: type = CODES) -> bool:
     layers = forward.native.layers if forward.native is not None else []
     weights = [w for layer in layers for w in (layer.q, layer.k, layer.v, layer.o, layer.gate, layer.up, layer.down)]
-    return forward.rows_weight().dtype == CODES and bool(weights) and all(w.dtype == CODES for w in weights)
+    return forward.rows_weight().dtype == codes and bool(weights) and all(w.dtype == codes for w in weights)
 
 
-def _same_steps_both_ways(loaded, monkeypatch, all_rows: bool, lengths: list[int], steps: int) -> None:
+def _same_steps_both_ways(
+    loaded, monkeypatch, all_rows: bool, lengths: list[int], steps: int, codes: type = CODES
+) -> None:
     """The forward reading fp16 codes and one built with ``KVSHELF_NO_HALF_WEIGHTS`` (fp32) give
     every decode step the same bits, for a batch of agents and for one alone."""
     invariant = True if all_rows else None  # temperature 0's kernels, else the default ones
@@ -129,7 +161,7 @@ def _same_steps_both_ways(loaded, monkeypatch, all_rows: bool, lengths: list[int
     fp32 = with_fast_linears(loaded.model, all_rows=invariant, attention=invariant)
     monkeypatch.delenv("KVSHELF_NO_HALF_WEIGHTS")
     assert isinstance(halves, ProjectedModel) and isinstance(fp32, ProjectedModel)
-    assert _reads_codes(halves) and not _reads_codes(fp32)
+    assert _reads_codes(halves, codes) and not _reads_codes(fp32, codes)
     assert fp32.rows_weight().dtype == np.float32
     for group in ([0, 1], [1]):
         agents = [_prefilled(loaded, lengths[i], 40 + i) for i in group]
@@ -138,11 +170,12 @@ def _same_steps_both_ways(loaded, monkeypatch, all_rows: bool, lengths: list[int
             assert np.array_equal(got, want), f"agents {group}, step {i}"
 
 
+@pytest.mark.parametrize("codes", [CODES, BRAIN_CODES], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("all_rows", [False, True], ids=["default", "temperature 0"])
 @pytest.mark.parametrize("kind", ["llama", "gemma3_text"])
-def test_fp16_valued_tiny_models_read_codes_with_the_same_bits(tiny_dirs, monkeypatch, kind, all_rows):
-    loaded = _fp16_valued(load(tiny_dirs[kind], progress=False))
-    _same_steps_both_ways(loaded, monkeypatch, all_rows, [70, 25], steps=6)
+def test_half_valued_tiny_models_read_codes_with_the_same_bits(tiny_dirs, monkeypatch, kind, all_rows, codes):
+    loaded = _narrow_valued(load(tiny_dirs[kind], progress=False), codes)
+    _same_steps_both_ways(loaded, monkeypatch, all_rows, [70, 25], steps=6, codes=codes)
 
 
 def test_weights_fp16_does_not_hold_are_read_as_fp32(tiny_dirs):

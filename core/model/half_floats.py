@@ -1,12 +1,14 @@
-"""fp16 inside numba loops: widen a weight element as it is loaded, narrow one to make a copy.
+"""fp16 and bf16 inside numba loops: widen a weight element as it is loaded, narrow one to make a copy.
 
 Why: numba has no float16 type, but LLVM has, and x86's F16C converts 16 halves at once
 (``vcvtph2ps``); these intrinsics hand a uint16 holding fp16's bits to LLVM as a half, so the
 loops of ``kvshelf.model.skinny`` read a half-width weight (``kvshelf.model.half_weights``)
-with the same vector code as an fp32 one. ``widen`` is exact for every finite fp16
-(subnormals too: the tests check all 63488), and the identity on an fp32, so one loop body
-serves both. Importing this module imports numba; the loops import it when they are built
-and call it as a module attribute (see ``kvshelf.model.prefetch`` for why).
+with the same vector code as an fp32 one. bf16 is the high half of an fp32's bits, held in
+an int16 (numba compiles a loop per dtype, so the two encodings need two): widened by a
+shift. ``widen`` is exact for every finite fp16 (subnormals too: the tests check all 63488)
+and every bf16, and the identity on an fp32, so one loop body serves all three. Importing
+this module imports numba; the loops import it when they are built and call it as a
+module attribute (see ``kvshelf.model.prefetch`` for why).
 """
 
 from __future__ import annotations
@@ -29,10 +31,18 @@ def _widen_typing(typingctx: Any, value: Any) -> Any:
             return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
 
         return types.float32(value), codegen
+    if value == types.int16:  # bf16's bits: the high half of the fp32's
+
+        def brain(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+            wide = builder.shl(builder.zext(args[0], ir.IntType(32)), ir.Constant(ir.IntType(32), 16))
+            return builder.bitcast(wide, ir.FloatType())
+
+        return types.float32(value), brain
     return None
 
 
-# A weight element as fp32: itself, or the fp16 value its uint16 codes hold; inside numba loops only.
+# A weight element as fp32: itself, the fp16 value its uint16 codes hold, or the bf16 value its
+# int16 codes hold; inside numba loops only.
 widen = cast(Callable[[Any], float], intrinsic(_widen_typing))
 
 

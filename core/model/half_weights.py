@@ -1,4 +1,4 @@
-"""Weights read at half width: an fp32 weight whose every value is an fp16 value, kept as fp16.
+"""Weights read at half width: an fp32 weight whose every value is an fp16 (or bf16) value, kept so.
 
 Why: a decode step's time is its weights' bytes over the memory's bandwidth, and the
 embedded Gemma 3's weights are fp16 values held as fp32 (its converter stores the GGUF's
@@ -12,6 +12,9 @@ bits (each loop is checked for that before it is used), from half the bytes. The
 
 The loops widen an element with ``kvshelf.model.half_floats.widen``. ``half_copy`` makes the
 copy only where it is exact, bit for bit, else None: those weights keep being read as fp32.
+
+A bf16 checkpoint (most published llamas), loaded as fp32 for MLX's CPU kernels, is read
+as its bf16 codes the same way.
 
 The price is memory: the copy sits beside the fp32 weight, which MLX's own calls (a
 prefill's matmuls) still read: 536 MB for the embedded model (the head 336 MB).
@@ -30,21 +33,24 @@ import numpy as np
 from kvshelf.model.arrays import buffer_view
 from kvshelf.switches import env_on
 
-# The dtype a half-width weight's codes are held in: fp16's bits (numba has no float16 type).
+# The dtypes a half-width weight's codes are held in: fp16's bits (numba has no float16 type),
+# and bf16's (the high half of the fp32's), told apart by numba as by numpy by their dtype.
 CODES = np.uint16
+BRAIN_CODES = np.int16
 
 
 @cache
 def _halve() -> Any:
-    """The compiled copy: each row's fp16 codes, and how many elements fp16 does not hold
-    bit for bit (both cores; numpy's float16 casts took 3.5 s for the embedded head)."""
+    """The compiled copies (both cores; numpy's float16 casts took 3.5 s for the embedded
+    head): each row's fp16 codes, or bf16's, and how many elements they do not hold bit
+    for bit."""
     from numba import njit, prange, types
 
     from kvshelf.model import half_floats
 
-    signature = types.int64(types.Array(types.float32, 2, "C", readonly=True), types.Array(types.uint16, 2, "C"))
+    codes = types.Array(types.uint16, 2, "C")
 
-    @njit(signature, parallel=True, cache=True, boundscheck=False)
+    @njit(types.int64(types.Array(types.float32, 2, "C", readonly=True), codes), parallel=True, cache=True)
     def halve(weight: np.ndarray, out: np.ndarray) -> int:
         missed = 0
         for j in prange(weight.shape[0]):
@@ -57,7 +63,18 @@ def _halve() -> Any:
             missed += row
         return missed
 
-    return halve
+    @njit(types.int64(types.Array(types.uint32, 2, "C", readonly=True), codes), parallel=True, cache=True)
+    def high_halves(bits: np.ndarray, out: np.ndarray) -> int:
+        missed = 0
+        for j in prange(bits.shape[0]):
+            row = 0
+            for i in range(bits.shape[1]):
+                out[j, i] = bits[j, i] >> 16
+                row += (bits[j, i] & 0xFFFF) != 0
+            missed += row
+        return missed
+
+    return halve, high_halves
 
 
 def enabled() -> bool:
@@ -67,17 +84,22 @@ def enabled() -> bool:
 
 
 def half_copy(weight: np.ndarray) -> np.ndarray | None:
-    """``weight`` (fp32, 2-D, C-contiguous) as fp16 codes (``CODES``), if every element is an
-    fp16 value (bit for bit: -0.0 stays -0.0), else None."""
+    """``weight`` (fp32, 2-D, C-contiguous) as fp16 codes (``CODES``) if every element is an
+    fp16 value, else as bf16 codes (``BRAIN_CODES``) if every one is a bf16 value (bit for
+    bit: -0.0 stays -0.0), else None."""
     if weight.dtype != np.float32 or weight.ndim != 2 or not weight.flags.c_contiguous:
         return None
-    first = weight[:1]  # most fp32 weights fail at once: no whole copy for them
-    if not np.array_equal(first.astype(np.float16).astype(np.float32).view(np.uint32), first.view(np.uint32)):
-        return None
+    halve, high_halves = _halve()
     view = weight.view()
     view.flags.writeable = False
     out = np.empty(weight.shape, dtype=CODES)
-    return out if _halve()(view, out) == 0 else None
+    first = weight[:1]  # most fp32 weights fail both at once: no whole copy for them
+    if np.array_equal(first.astype(np.float16).astype(np.float32).view(np.uint32), first.view(np.uint32)):
+        if halve(view, out) == 0:
+            return out
+    if not np.any(first.view(np.uint32) & 0xFFFF) and high_halves(view.view(np.uint32), out) == 0:
+        return out.view(BRAIN_CODES)
+    return None
 
 
 # Each MLX weight's copy (or None: fp16 does not hold it), made once however many products

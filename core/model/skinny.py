@@ -53,7 +53,7 @@ import numpy as np
 from kvshelf.model.blas import usable_cpus
 from kvshelf.model.dot_bound import dot_error_bound
 from kvshelf.model.few_rows import MAX_FEW_ROWS, Gemm
-from kvshelf.model.half_weights import CODES
+from kvshelf.model.half_weights import BRAIN_CODES, CODES
 from kvshelf.switches import env_on
 
 # The most rows a layer projection sends here. Alone, each of Gemma 3's layer shapes is faster
@@ -76,12 +76,13 @@ MIN_LAYER_BYTES = 1 << 18
 
 def _signatures() -> list[Any]:
     """A kernel's signatures: rows and out are writable, the weight may be a read-only view
-    (``ProjectedModel.weight_view``), which numba types apart, of fp32 or of fp16 codes
-    (``kvshelf.model.half_weights``)."""
+    (``ProjectedModel.weight_view``), which numba types apart, of fp32 or of fp16 or bf16
+    codes (``kvshelf.model.half_weights``)."""
     from numba import types
 
     rows, out = types.Array(types.float32, 2, "C"), types.Array(types.float32, 2, "C")
-    weights = [types.Array(t, 2, "C", readonly=r) for t in (types.float32, types.uint16) for r in (False, True)]
+    kinds = (types.float32, types.uint16, types.int16)
+    weights = [types.Array(t, 2, "C", readonly=r) for t in kinds for r in (False, True)]
     return [types.void(rows, w, out) for w in weights]
 
 
@@ -180,8 +181,8 @@ def _loop_for(block: int, tile: int, weight: np.ndarray, ahead: int = 0) -> Any:
     return _block_loop(block, min(tile, weight.shape[0]), ahead)
 
 
-# What the kernels read a weight as: fp32, or fp16 codes (``kvshelf.model.half_weights``).
-WEIGHT_DTYPES = (np.dtype(np.float32), np.dtype(CODES))
+# What the kernels read a weight as: fp32, or fp16 or bf16 codes (``kvshelf.model.half_weights``).
+WEIGHT_DTYPES = (np.dtype(np.float32), np.dtype(CODES), np.dtype(BRAIN_CODES))
 
 
 def _checked(x: np.ndarray, weight: np.ndarray) -> np.ndarray:
@@ -424,18 +425,25 @@ def blocked_product() -> Gemm | None:
 
 @cache
 def reads_halves(product: Gemm) -> bool:
-    """Whether ``product`` of a weight's fp16 codes (``kvshelf.model.half_weights``) has the
-    bits of the same product of its fp32 values, for 1..MAX_FEW_ROWS+1 rows (the widened
-    element is the same fp32, but LLVM compiles each signature apart: checked, not assumed)."""
+    """Whether ``product`` of a weight's fp16 or bf16 codes (``kvshelf.model.half_weights``)
+    has the bits of the same product of its fp32 values, for 1..MAX_FEW_ROWS+1 rows (the
+    widened element is the same fp32, but LLVM compiles each signature apart: checked, not
+    assumed)."""
     rng = np.random.default_rng(6)
     for n, k in ((1003, 640), (257, 2051), (64, 9)):
-        half = rng.standard_normal((n, k)).astype(np.float16)
         x = rng.standard_normal((MAX_FEW_ROWS + 1, k)).astype(np.float32)
-        codes, weight = half.view(CODES), half.astype(np.float32)
-        try:
-            same = all(np.array_equal(product(x[:m], codes), product(x[:m], weight)) for m in range(1, len(x) + 1))
-        except (ValueError, TypeError):  # a product that takes fp32 only (sgemv's)
+        half = rng.standard_normal((n, k)).astype(np.float16)
+        brain = rng.standard_normal((n, k)).astype(np.float32).view(np.uint32) >> 16
+        if not _same_bits(product, x, half.view(CODES), half.astype(np.float32)):
             return False
-        if not same:
+        if not _same_bits(product, x, brain.astype(np.uint16).view(BRAIN_CODES), (brain << 16).view(np.float32)):
             return False
     return True
+
+
+def _same_bits(product: Gemm, x: np.ndarray, codes: np.ndarray, weight: np.ndarray) -> bool:
+    """``product`` of every leading slice of ``x`` by ``codes`` has the bits of the same by ``weight``."""
+    try:
+        return all(np.array_equal(product(x[:m], codes), product(x[:m], weight)) for m in range(1, len(x) + 1))
+    except (ValueError, TypeError):  # a product that takes fp32 only (sgemv's)
+        return False
