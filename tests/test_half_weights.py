@@ -16,7 +16,7 @@ from kvshelf.kv.agent_cache import AgentCache
 from kvshelf.kv.schemes import DEFAULT_SCHEME, SCHEMES
 from kvshelf.kv.working_set import WorkingSets
 from kvshelf.model import half_floats, skinny
-from kvshelf.model.gemv import with_fast_linears
+from kvshelf.model.gemv import GemvLinear, with_fast_linears
 from kvshelf.model.half_weights import BRAIN_CODES, CODES, half_copy, half_of
 from kvshelf.model.head import ProjectedModel
 from kvshelf.model.loader import load
@@ -192,3 +192,28 @@ def test_the_embedded_model_reads_its_weights_at_half_width(embedded_loaded, mon
     assert isinstance(embedded_loaded.forward, ProjectedModel) and _reads_codes(embedded_loaded.forward)
     _same_steps_both_ways(embedded_loaded, monkeypatch, False, [530, 40], steps=3)
     _same_steps_both_ways(embedded_loaded, monkeypatch, True, [530, 40], steps=2)
+
+
+def test_the_module_paths_decode_rows_read_codes_with_the_same_bits(embedded_loaded, monkeypatch):
+    """Plain Q4's packed rows go through the module path, whose layer projections
+    (``GemvLinear``; the tiny models' are below its size floor) read the codes for a decode
+    step's rows, fp32 for a prefill's."""
+    loaded = embedded_loaded
+    halves = with_fast_linears(loaded.model)
+    monkeypatch.setenv("KVSHELF_NO_HALF_WEIGHTS", "1")
+    fp32 = with_fast_linears(loaded.model)
+    monkeypatch.delenv("KVSHELF_NO_HALF_WEIGHTS")
+    assert isinstance(halves, ProjectedModel) and isinstance(fp32, ProjectedModel)
+    assert any(m._halves for m in halves.body.modules() if isinstance(m, GemvLinear))
+    assert not any(m._halves for m in fp32.body.modules() if isinstance(m, GemvLinear))
+    plain = SCHEMES["q4-g64-per-token-v1"]
+    mine, theirs = (AgentCache.empty(loaded.spec, plain) for _ in range(2))
+    prompt = mx.array(np.random.default_rng(9).integers(0, 128, 60).tolist())[None]
+    for forward, cache in ((halves, mine), (fp32, theirs)):
+        mx.eval(forward(prompt, cache=cache.layers), cache.arrays())
+    token = mx.array([[5]])
+    for i in range(3):
+        got, want = halves(token, cache=mine.layers)[:, -1], fp32(token, cache=theirs.layers)[:, -1]
+        mx.eval(got, want, mine.arrays(), theirs.arrays())
+        assert np.array_equal(np.array(got), np.array(want)), f"step {i}"
+        token = mx.array([[int(np.array(want)[0].argmax())]])

@@ -38,6 +38,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from kvshelf.model import half_weights
 from kvshelf.model.attention import invariant_attention_body
 from kvshelf.model.dot_bound import dot_error_bound
 from kvshelf.model.few_rows import MAX_FEW_ROWS, Gemm, batches_through_blis, gemm_uncut, system_gemm
@@ -47,7 +48,13 @@ from kvshelf.model.module_tree import with_children
 from kvshelf.model.native_decode import native_decoder
 from kvshelf.model.row_plan import RowPlan, measure
 from kvshelf.model.sgemv import Sgemv, each_row, system_sgemv
-from kvshelf.model.skinny import MAX_LAYER_ROWS, MIN_LAYER_BYTES, blocked_product, invariant_blocked_product
+from kvshelf.model.skinny import (
+    MAX_LAYER_ROWS,
+    MIN_LAYER_BYTES,
+    blocked_product,
+    invariant_blocked_product,
+    reads_halves,
+)
 from kvshelf.switches import ON, env_on
 
 # Whether a batch-1 call's layer projections go to sgemv too. Off: measured alone they
@@ -123,6 +130,10 @@ class GemvLinear(nn.Module):
         self._skinny = skinny and gemm is not None
         self._all_rows = all_rows and gemm is not None  # every row count through gemm (SHAPE_INVARIANT)
         self._plan = plan if self._all_rows else None
+        # A decode step's rows read the weight's fp16 or bf16 codes where they hold it and
+        # ``gemm`` reads them with the fp32 bits (``kvshelf.model.half_weights``); a prefill
+        # chunk, bound by its arithmetic, reads fp32 (a conversion per use costs it there).
+        self._halves = gemm is not None and half_weights.enabled() and reads_halves(gemm)
 
     def gemv(self, x: mx.array) -> mx.array:
         """``x @ W.T`` for one row ``x`` (any leading shape of size 1) through sgemv."""
@@ -137,6 +148,9 @@ class GemvLinear(nn.Module):
             return rows.reshape(*x.shape[:-1], -1)
         assert self._gemm is not None
         weight = buffer_view(self.linear["weight"])
+        if self._halves and x.size // x.shape[-1] <= MAX_LAYER_ROWS:
+            half = half_weights.half_of(self.linear["weight"])
+            weight = weight if half is None else half
         y = self._gemm(buffer_view(x.astype(mx.float32)).reshape(-1, x.shape[-1]), weight)
         return mx.array(y).reshape(*x.shape[:-1], weight.shape[0])
 

@@ -428,7 +428,10 @@ def reads_halves(product: Gemm) -> bool:
     """Whether ``product`` of a weight's fp16 or bf16 codes (``kvshelf.model.half_weights``)
     has the bits of the same product of its fp32 values, for 1..MAX_FEW_ROWS+1 rows (the
     widened element is the same fp32, but LLVM compiles each signature apart: checked, not
-    assumed)."""
+    assumed). Only this module's products read codes at all: another (sgemv's, BLIS's)
+    would read their bytes as fp32, so it is not even asked."""
+    if getattr(product, "__module__", None) != __name__:
+        return False
     rng = np.random.default_rng(6)
     for n, k in ((1003, 640), (257, 2051), (64, 9)):
         x = rng.standard_normal((MAX_FEW_ROWS + 1, k)).astype(np.float32)
@@ -445,5 +448,5 @@ def _same_bits(product: Gemm, x: np.ndarray, codes: np.ndarray, weight: np.ndarr
     """``product`` of every leading slice of ``x`` by ``codes`` has the bits of the same by ``weight``."""
     try:
         return all(np.array_equal(product(x[:m], codes), product(x[:m], weight)) for m in range(1, len(x) + 1))
-    except (ValueError, TypeError):  # a product that takes fp32 only (sgemv's)
+    except (ValueError, TypeError):  # a product of this module that takes fp32 only
         return False
