@@ -16,7 +16,6 @@ from mlx_lm.models.rope_utils import Llama3RoPE
 
 from kvshelf.kv.agent_cache import AgentCache
 from kvshelf.kv.record import agent_cache_from_record, agent_record
-from kvshelf.kv.schemes import DEFAULT_SCHEME, SCHEMES
 from kvshelf.kv.working_set import WorkingSets
 from kvshelf.model import exact_ops
 from kvshelf.model.gemv import with_fast_linears
@@ -24,6 +23,7 @@ from kvshelf.model.head import ProjectedModel
 from kvshelf.model.loader import load
 from kvshelf.model.native_decode import FAST, NativeDecoder, probe_gap
 from kvshelf.model.native_ops import Rope
+from tests.support.agents import prefilled
 
 KINDS = ["llama", "gemma3_text"]
 
@@ -31,14 +31,6 @@ KINDS = ["llama", "gemma3_text"]
 @pytest.fixture(scope="module")
 def models(tiny_dirs):
     return {kind: load(tiny_dirs[kind], progress=False) for kind in KINDS}
-
-
-def prefilled(loaded, n: int, seed: int) -> AgentCache:
-    cache = AgentCache.empty(loaded.spec, SCHEMES[DEFAULT_SCHEME])
-    tokens = np.random.default_rng(seed).integers(0, 128, n).tolist()
-    mx.eval(loaded.greedy_forward(mx.array(tokens)[None], cache=cache.layers), cache.arrays())
-    cache.tokens = tokens
-    return cache
 
 
 def logits(forward, agents: list[AgentCache], tokens: list[int], keys: list, working: WorkingSets) -> np.ndarray:
@@ -104,7 +96,7 @@ def test_every_step_has_the_module_paths_bits(models, kind):
     the exact step on one working set and the module path on another."""
     loaded = models[kind]
     module = with_fast_linears(loaded.model, all_rows=True, attention=True, native=False)
-    agents = [prefilled(loaded, n, 10 + i) for i, n in enumerate([250, 230, 40])]
+    agents = [prefilled(loaded.greedy_forward, loaded.spec, n, 10 + i) for i, n in enumerate([250, 230, 40])]
     forks = [a.fork() for a in agents]
     mine, theirs = WorkingSets(), WorkingSets()
     tokens = [1, 2, 3]
@@ -125,7 +117,7 @@ def test_every_step_has_the_module_paths_bits(models, kind):
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_restored_agent_continues_bit_identically(models, kind):
     loaded = models[kind]
-    kept = prefilled(loaded, 250, 30)
+    kept = prefilled(loaded.greedy_forward, loaded.spec, 250, 30)
     working = WorkingSets()
     token = 7
     for _ in range(8):  # across the 256-token block's closing
@@ -145,7 +137,7 @@ def test_a_restored_agent_continues_bit_identically(models, kind):
 def test_it_steps_aside_for_caches_it_does_not_run(models):
     loaded = models["llama"]
     native = loaded.greedy_forward.native
-    dense = prefilled(loaded, 20, 40)
+    dense = prefilled(loaded.greedy_forward, loaded.spec, 20, 40)
     one = mx.array([[1]])
     assert native.takes(one, WorkingSets().caches(["d"], [dense.layers]))
     assert not native.takes(one, dense.layers)  # per-step caches: the module path

@@ -13,13 +13,14 @@ from mlx.utils import tree_map
 from numba import njit
 
 from kvshelf.kv.agent_cache import AgentCache
-from kvshelf.kv.schemes import DEFAULT_SCHEME, SCHEMES
+from kvshelf.kv.schemes import SCHEMES
 from kvshelf.kv.working_set import WorkingSets
 from kvshelf.model import half_floats, skinny
 from kvshelf.model.gemv import GemvLinear, with_fast_linears
 from kvshelf.model.half_weights import BRAIN_CODES, CODES, half_copy, half_of
 from kvshelf.model.head import ProjectedModel
 from kvshelf.model.loader import load
+from tests.support.agents import prefilled
 
 
 @njit(cache=False)
@@ -121,14 +122,6 @@ def _narrow_valued(loaded, codes: type):
     return loaded
 
 
-def _prefilled(loaded, n: int, seed: int) -> AgentCache:
-    cache = AgentCache.empty(loaded.spec, SCHEMES[DEFAULT_SCHEME])
-    tokens = np.random.default_rng(seed).integers(0, 128, n).tolist()
-    mx.eval(loaded.model(mx.array(tokens)[None], cache=cache.layers), cache.arrays())
-    cache.tokens = tokens
-    return cache
-
-
 def _steps(forward, agents: list[AgentCache], steps: int) -> list[np.ndarray]:
     """Greedy decode steps of ``agents`` together through ``forward`` over a working set."""
     working, tokens, out = WorkingSets(), [3 + i for i in range(len(agents))], []
@@ -164,7 +157,7 @@ def _same_steps_both_ways(
     assert _reads_codes(halves, codes) and not _reads_codes(fp32, codes)
     assert fp32.rows_weight().dtype == np.float32
     for group in ([0, 1], [1]):
-        agents = [_prefilled(loaded, lengths[i], 40 + i) for i in group]
+        agents = [prefilled(loaded.model, loaded.spec, lengths[i], 40 + i) for i in group]
         forks = [a.fork() for a in agents]
         for i, (got, want) in enumerate(zip(_steps(halves, forks, steps), _steps(fp32, agents, steps))):
             assert np.array_equal(got, want), f"agents {group}, step {i}"

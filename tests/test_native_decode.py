@@ -16,7 +16,7 @@ from mlx_lm.models.rope_utils import Llama3RoPE
 from kvshelf.kv.agent_cache import AgentCache
 from kvshelf.kv.batch import batch_views
 from kvshelf.kv.record import agent_cache_from_record, agent_record
-from kvshelf.kv.schemes import DEFAULT_SCHEME, SCHEMES
+from kvshelf.kv.schemes import DEFAULT_SCHEME
 from kvshelf.kv.working_set import WorkingSets
 from kvshelf.model.blas import usable_cpus
 from kvshelf.model.gemv import with_fast_linears
@@ -34,6 +34,7 @@ from kvshelf.model.native_ops import (
     silu_gate,
 )
 from kvshelf.model.skinny import MAX_LAYER_ROWS
+from tests.support.agents import prefilled
 
 KINDS = ["llama", "gemma3_text"]
 # A dense scheme with rotated keys and fp16 sinks beside the default (KIVI keys, rotated values).
@@ -50,14 +51,6 @@ def models(tiny_dirs):
 
 def close(got: np.ndarray, want: np.ndarray, tolerance: float) -> bool:
     return float(np.max(np.abs(got - want))) <= tolerance * float(np.max(np.abs(want)))
-
-
-def prefilled(loaded, scheme: str, n: int, seed: int) -> AgentCache:
-    cache = AgentCache.empty(loaded.spec, SCHEMES[scheme])
-    tokens = np.random.default_rng(seed).integers(0, 128, n).tolist()
-    mx.eval(loaded.model(mx.array(tokens)[None], cache=cache.layers), cache.arrays())
-    cache.tokens = tokens
-    return cache
 
 
 def per_step(agents: list[AgentCache]):
@@ -217,7 +210,7 @@ def test_every_step_matches_the_module_path_through_a_block_and_a_window_move(mo
     a 256-token block fills, and gemma's 16-token window moves), each step is taken twice
     from the same state: through the native step, on forks, and through the model's own call."""
     loaded = models[kind]
-    agents = [prefilled(loaded, scheme, n, 10 + i) for i, n in enumerate([500, 230, 40])]
+    agents = [prefilled(loaded.model, loaded.spec, n, 10 + i, scheme) for i, n in enumerate([500, 230, 40])]
     tokens = [1, 2, 3]
     assert loaded.forward.native is not None
     for i in range(STEPS):
@@ -237,7 +230,7 @@ def test_every_step_matches_the_module_path_through_a_block_and_a_window_move(mo
 @pytest.mark.parametrize("kind", KINDS)
 def test_the_working_set_and_per_step_caches_give_the_native_step_the_same_bits(models, kind):
     loaded = models[kind]
-    agents = [prefilled(loaded, DEFAULT_SCHEME, n, 20 + i) for i, n in enumerate([500, 230, 40])]
+    agents = [prefilled(loaded.model, loaded.spec, n, 20 + i, DEFAULT_SCHEME) for i, n in enumerate([500, 230, 40])]
     forks = [a.fork() for a in agents]
     working = WorkingSets()
     tokens = [4, 5, 6]
@@ -261,7 +254,7 @@ def test_deferring_the_working_set_update_changes_no_bit(models, kind):
     rows from numpy) against inside each layer, through a key block's closing."""
     loaded = models[kind]
     native = loaded.forward.native
-    agents = [prefilled(loaded, DEFAULT_SCHEME, n, 70 + i) for i, n in enumerate([250, 40])]
+    agents = [prefilled(loaded.model, loaded.spec, n, 70 + i, DEFAULT_SCHEME) for i, n in enumerate([250, 40])]
     forks = [a.fork() for a in agents]
     later, now = WorkingSets(), WorkingSets()
     tokens = [3, 4]
@@ -287,7 +280,7 @@ def test_deferring_the_working_set_update_changes_no_bit(models, kind):
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_restored_agent_continues_bit_identically(models, kind):
     loaded = models[kind]
-    kept = prefilled(loaded, DEFAULT_SCHEME, 250, 30)
+    kept = prefilled(loaded.model, loaded.spec, 250, 30, DEFAULT_SCHEME)
     token = 7
     for _ in range(4):  # decode across the 256-token block's closing before the restore
         token = int(logits(loaded.forward, [kept], [token], kept.layers)[0].argmax())
@@ -306,14 +299,14 @@ def test_it_steps_aside_for_calls_it_does_not_run(models):
     loaded = models["llama"]
     native = loaded.forward.native
     assert native is not None
-    dense = prefilled(loaded, DEFAULT_SCHEME, 20, 40)
-    packed = prefilled(loaded, "q4-g64-per-token-v1", 20, 41)
+    dense = prefilled(loaded.model, loaded.spec, 20, 40, DEFAULT_SCHEME)
+    packed = prefilled(loaded.model, loaded.spec, 20, 41, "q4-g64-per-token-v1")
     one = mx.array([[1]])
     assert native.takes(one, dense.layers)
     assert not native.takes(one, packed.layers)  # plain Q4 hands packed rows to quantized_matmul
     assert not native.takes(one, WorkingSets().caches(["p"], [packed.layers]))
     assert not native.takes(mx.array([[1, 2]]), dense.layers)  # a prefill call
-    many = [prefilled(loaded, DEFAULT_SCHEME, 5, 50 + i) for i in range(MAX_LAYER_ROWS + 1)]
+    many = [prefilled(loaded.model, loaded.spec, 5, 50 + i, DEFAULT_SCHEME) for i in range(MAX_LAYER_ROWS + 1)]
     assert not native.takes(mx.array([[1]] * len(many)), batch_views([a.layers for a in many]))
     # the forward still runs them, through the module path
     got = logits(loaded.forward, [packed], [1], packed.layers)
@@ -324,7 +317,7 @@ def test_it_steps_aside_for_calls_it_does_not_run(models):
 def test_the_embedded_model_runs_the_native_step(embedded_loaded):
     loaded = embedded_loaded
     assert loaded.forward.native is not None and loaded.forward.native.kind == "gemma3_text"
-    agents = [prefilled(loaded, DEFAULT_SCHEME, n, 60 + i) for i, n in enumerate([520, 90])]
+    agents = [prefilled(loaded.model, loaded.spec, n, 60 + i, DEFAULT_SCHEME) for i, n in enumerate([520, 90])]
     forks = [a.fork() for a in agents]
     got = logits(loaded.forward, forks, [10, 11], per_step(forks))
     want = logits(loaded.model, agents, [10, 11], per_step(agents))

@@ -41,40 +41,33 @@ BRAIN_CODES = np.int16
 
 @cache
 def _halve() -> Any:
-    """The compiled copies (both cores; numpy's float16 casts took 3.5 s for the embedded
-    head): each row's fp16 codes, or bf16's, and how many elements they do not hold bit
-    for bit."""
+    """The compiled copy (both cores; numpy's float16 casts took 3.5 s for the embedded
+    head): each row's fp16 codes, or (``brain``) bf16's, and how many elements they do not
+    hold bit for bit."""
     from numba import njit, prange, types
 
     from kvshelf.model import half_floats
 
-    codes = types.Array(types.uint16, 2, "C")
+    weights = types.Array(types.float32, 2, "C", readonly=True)
+    bits = types.Array(types.uint32, 2, "C", readonly=True)
 
-    @njit(types.int64(types.Array(types.float32, 2, "C", readonly=True), codes), parallel=True, cache=True)
-    def halve(weight: np.ndarray, out: np.ndarray) -> int:
+    @njit(types.int64(weights, bits, types.Array(types.uint16, 2, "C"), types.boolean), parallel=True, cache=True)
+    def halve(weight: np.ndarray, bits: np.ndarray, out: np.ndarray, brain: bool) -> int:
         missed = 0
         for j in prange(weight.shape[0]):
             row = 0
             for i in range(weight.shape[1]):
-                code = half_floats.narrow(weight[j, i])
-                out[j, i] = code
-                # fp16 keeps the sign bit (-0.0 stays -0.0), so equal values are equal bits; NaN misses
-                row += half_floats.widen(code) != weight[j, i]
+                if brain:  # bf16: the high half of the bits, the low half zero
+                    out[j, i] = bits[j, i] >> 16
+                    row += (bits[j, i] & 0xFFFF) != 0
+                else:  # fp16 keeps the sign bit (-0.0 stays -0.0): equal values are equal bits; NaN misses
+                    code = half_floats.narrow(weight[j, i])
+                    out[j, i] = code
+                    row += half_floats.widen(code) != weight[j, i]
             missed += row
         return missed
 
-    @njit(types.int64(types.Array(types.uint32, 2, "C", readonly=True), codes), parallel=True, cache=True)
-    def high_halves(bits: np.ndarray, out: np.ndarray) -> int:
-        missed = 0
-        for j in prange(bits.shape[0]):
-            row = 0
-            for i in range(bits.shape[1]):
-                out[j, i] = bits[j, i] >> 16
-                row += (bits[j, i] & 0xFFFF) != 0
-            missed += row
-        return missed
-
-    return halve, high_halves
+    return halve
 
 
 def enabled() -> bool:
@@ -89,20 +82,20 @@ def half_copy(weight: np.ndarray) -> np.ndarray | None:
     bit: -0.0 stays -0.0), else None."""
     if weight.dtype != np.float32 or weight.ndim != 2 or not weight.flags.c_contiguous:
         return None
-    halve, high_halves = _halve()
     view = weight.view()
     view.flags.writeable = False
+    bits = view.view(np.uint32)
     out = np.empty(weight.shape, dtype=CODES)
     first = weight[:1]  # most fp32 weights fail both at once: no whole copy for them
     if np.array_equal(first.astype(np.float16).astype(np.float32).view(np.uint32), first.view(np.uint32)):
-        if halve(view, out) == 0:
+        if _halve()(view, bits, out, False) == 0:
             return out
-    if not np.any(first.view(np.uint32) & 0xFFFF) and high_halves(view.view(np.uint32), out) == 0:
+    if not np.any(first.view(np.uint32) & 0xFFFF) and _halve()(view, bits, out, True) == 0:
         return out.view(BRAIN_CODES)
     return None
 
 
-# Each MLX weight's copy (or None: fp16 does not hold it), made once however many products
+# Each MLX weight's copy (or None: neither fp16 nor bf16 holds it), made once however many products
 # read it (the default kernels' step and temperature 0's share the model's weights), and
 # dropped with the weight.
 _copies: dict[int, np.ndarray | None] = {}
