@@ -53,7 +53,7 @@ from kvshelf.model.skinny import (
     MIN_LAYER_BYTES,
     blocked_product,
     invariant_blocked_product,
-    reads_halves,
+    takes_codes,
 )
 from kvshelf.switches import ON, env_on
 
@@ -133,7 +133,7 @@ class GemvLinear(nn.Module):
         # A decode step's rows read the weight's fp16 or bf16 codes where they hold it and
         # ``gemm`` reads them with the fp32 bits (``kvshelf.model.half_weights``); a prefill
         # chunk, bound by its arithmetic, reads fp32 (a conversion per use costs it there).
-        self._halves = gemm is not None and half_weights.enabled() and reads_halves(gemm)
+        self._halves = gemm is not None and takes_codes(gemm)
 
     def gemv(self, x: mx.array) -> mx.array:
         """``x @ W.T`` for one row ``x`` (any leading shape of size 1) through sgemv."""

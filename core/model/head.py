@@ -70,7 +70,7 @@ from kvshelf.model.dot_bound import dot_error_bound
 from kvshelf.model.few_rows import MAX_FEW_ROWS, Gemm
 from kvshelf.model.native_decode import NativeDecoder
 from kvshelf.model.sgemv import Sgemv, each_row, system_sgemv
-from kvshelf.model.skinny import blocked_product, reads_halves, skinny_product
+from kvshelf.model.skinny import blocked_product, skinny_product, takes_codes
 
 
 def _projection(model: nn.Module) -> tuple[Callable[[mx.array], mx.array], nn.Module] | None:
@@ -132,9 +132,9 @@ class ProjectedModel:
         self.skinny = skinny
         few = skinny_product() if all_rows else blocked_product()
         self._rows_apart: Gemm = (skinny and few) or partial(each_row, sgemv)
-        # That product reads the head as fp16 codes where they hold it exactly (the same
+        # That product reads the head as fp16 or bf16 codes where they hold it (the same
         # bits from half the bytes: ``kvshelf.model.half_weights``); sgemv reads fp32.
-        self._halves = bool(skinny and few) and half_weights.enabled() and reads_halves(self._rows_apart)
+        self._halves = bool(skinny and few) and takes_codes(self._rows_apart)
         # Decode steps the body's layers on numpy rows instead (kvshelf.model.native_decode),
         # where given and the call is one it takes; every other call goes through ``body``.
         self.native = native
@@ -154,8 +154,8 @@ class ProjectedModel:
         return view
 
     def rows_weight(self) -> np.ndarray:
-        """The head as ``project_rows_apart``'s product reads it: its fp16 codes where they
-        hold it and the product reads them (made once a weight), else ``weight_view``."""
+        """The head as ``project_rows_apart``'s product reads it: its fp16 or bf16 codes where
+        they hold it and the product reads them (made once a weight), else ``weight_view``."""
         half = half_weights.half_of(self._head["weight"]) if self._halves else None
         return half if half is not None else self.weight_view()
 

@@ -52,7 +52,7 @@ from kvshelf.model.attention import ordered_step
 from kvshelf.model.few_rows import Gemm
 from kvshelf.model.native_ops import F32, Rope, attend, mask_bias
 from kvshelf.model.ordered_attention import ordered_attention_available
-from kvshelf.model.skinny import MAX_LAYER_ROWS, reads_halves
+from kvshelf.model.skinny import MAX_LAYER_ROWS, takes_codes
 from kvshelf.switches import env_on
 
 OFF = env_on("KVSHELF_NO_NATIVE_DECODE")
@@ -67,7 +67,7 @@ PROBE_TOLERANCE = 1e-4
 
 def _plain_weight(layer: Any, halves: bool) -> np.ndarray | None:
     """A bias-free fp32 ``nn.Linear``'s weight as a numpy view, else None; with ``halves``
-    its fp16 codes where they hold it (``kvshelf.model.half_weights``)."""
+    its fp16 or bf16 codes where they hold it (``kvshelf.model.half_weights``)."""
     if type(layer) is not nn.Linear or "bias" in layer or layer["weight"].dtype != mx.float32:
         return None
     w = buffer_view(layer["weight"])
@@ -95,7 +95,7 @@ EXACT = RowOps(exact_ops.rms_norm, exact_ops.gelu_gate, exact_ops.silu_gate, exa
 
 @dataclass
 class NativeLayer:
-    """One transformer layer's weights (numpy views over MLX's buffers, or their fp16 codes:
+    """One transformer layer's weights (numpy views over MLX's buffers, or their 16-bit codes:
     ``kvshelf.model.half_weights``) and settings."""
 
     q: np.ndarray
@@ -132,11 +132,6 @@ def _layer(block: Any, norms: dict[str, Any], offset: float, sliding: bool, halv
         norms={name: _norm_weight(n, offset) for name, n in norms.items()},
         rope=rope, heads=attn.n_heads, kv_heads=attn.n_kv_heads, scale=float(attn.scale), sliding=sliding,
     )  # fmt: skip
-
-
-def _reads_halves(product: Gemm) -> bool:
-    """Whether the layers go to ``product`` as fp16 codes where those hold them."""
-    return half_weights.enabled() and reads_halves(product)
 
 
 class NativeDecoder:
@@ -324,7 +319,7 @@ def _gemma3(model: nn.Module, product: Gemm, exact: bool) -> NativeDecoder | Non
             "q": attn.q_norm, "k": attn.k_norm,
         }  # fmt: skip
         sliding = i % args.sliding_window_pattern != args.sliding_window_pattern - 1
-        layer = _layer(block, norms, 1.0, sliding, _reads_halves(product))
+        layer = _layer(block, norms, 1.0, sliding, takes_codes(product))
         if layer is None:
             return None
         layers.append(layer)
@@ -339,7 +334,7 @@ def _llama(model: nn.Module, product: Gemm, exact: bool) -> NativeDecoder | None
         if not isinstance(block.input_layernorm, nn.RMSNorm):
             return None
         norms = {"input": block.input_layernorm, "post_attention": block.post_attention_layernorm}
-        layer = _layer(block, norms, 0.0, bool(block.use_sliding), _reads_halves(product))
+        layer = _layer(block, norms, 0.0, bool(block.use_sliding), takes_codes(product))
         if layer is None:
             return None
         layers.append(layer)

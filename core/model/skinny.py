@@ -50,6 +50,7 @@ from typing import Any
 
 import numpy as np
 
+from kvshelf.model import half_weights
 from kvshelf.model.blas import usable_cpus
 from kvshelf.model.dot_bound import dot_error_bound
 from kvshelf.model.few_rows import MAX_FEW_ROWS, Gemm
@@ -421,6 +422,14 @@ def blocked_product() -> Gemm | None:
         return skinny_product()
     product = blocked_without_prefetch() if env_on("KVSHELF_NO_PREFETCH") else _blocked
     return product if _exact(product) else skinny_product()
+
+
+def takes_codes(product: Gemm) -> bool:
+    """Whether a model built now gives ``product`` its weights' fp16 or bf16 codes where they
+    hold them: the copies are on (``half_weights.enabled``) and ``product`` reads them with
+    the fp32 bits (``reads_halves``). The one rule the head, the native step and the module
+    path's layers follow."""
+    return half_weights.enabled() and reads_halves(product)
 
 
 @cache
