@@ -25,6 +25,15 @@ def embedded_loaded():
     return load("embedded", progress=False)
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """With pytest-xdist workers, compile every loop once before they start
+    (``tests/support/numba_warm.py`` says why: numba's cache and concurrent writers)."""
+    if not hasattr(config, "workerinput") and config.getoption("numprocesses", default=None):
+        from tests.support.numba_warm import warm
+
+        warm()
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """A test that loads the real embedded model is an ``embedded`` test, marked or not.
 
