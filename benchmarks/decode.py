@@ -28,7 +28,9 @@ and side by side, for each model and context length:
   (``--paths no-native``) the scheduler's path with its layers through MLX's graph (the
   module path) instead of ``kvshelf.model.native_decode``'s numpy step, and
   (``--paths no-defer``) the native step with the working set updated inside each layer
-  (an MLX evaluation per layer) instead of once after the last (``defer_updates``);
+  (an MLX evaluation per layer) instead of once after the last (``defer_updates``), and
+  (``--paths fp32-weights``) the scheduler's path reading every weight as fp32 instead of
+  as its fp16 or bf16 codes where those hold it (``kvshelf.model.half_weights``);
 - mlx-lm's own step on the same model with its fp32 ``KVCache``/``RotatingKVCache``
   (batch 1: what ``mlx_lm.generate`` runs);
 - the floor: the model's weight bytes (and weights + K/V bytes) divided by the memory
@@ -174,7 +176,8 @@ def with_switch(model: nn.Module, switch: str) -> nn.Module | ProjectedModel:
     """The engine's forward built with the environment switch ``switch`` on (the products are
     taken at build time), so both forms run in one process: ``KVSHELF_NO_ROW_BLOCKS`` (every
     few-row product row-invariant, one row per loop, instead of ``blocked_product``'s register
-    blocks) or ``KVSHELF_NO_PREFETCH`` (the blocks without asking for their weight ahead)."""
+    blocks), ``KVSHELF_NO_PREFETCH`` (the blocks without asking for their weight ahead) or
+    ``KVSHELF_NO_HALF_WEIGHTS`` (every weight read as fp32, not as its 16-bit codes)."""
     os.environ[switch] = "1"
     skinny.blocked_product.cache_clear()
     try:

@@ -4,7 +4,6 @@ changes (the same values, in the same buffers); where the system cannot, nothing
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import errno
 import platform
 import sys
@@ -15,6 +14,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
+from kvshelf.model import huge_pages
 from kvshelf.model.head import buffer_view
 from kvshelf.model.huge_pages import (
     HUGE_PAGE,
@@ -39,12 +39,11 @@ def _system_collapses() -> bool:
 
 
 def _refusal(array: mx.array) -> int:
-    """The errno of MADV_COLLAPSE on ``array``'s aligned stretch, asked directly (0: done)."""
-    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    start = buffer_view(array).ctypes.data
-    lo = -(-start // HUGE_PAGE) * HUGE_PAGE
-    return 0 if libc.madvise(lo, 2 * HUGE_PAGE, MADV_COLLAPSE) == 0 else ctypes.get_errno()
+    """The errno of MADV_COLLAPSE on ``array``'s aligned stretches, asked again (0: done)."""
+    stretch = huge_pages._stretch(array)
+    madvise = huge_pages._madvise()
+    assert stretch is not None and madvise is not None
+    return 0 if madvise(*stretch, MADV_COLLAPSE) == 0 else ctypes.get_errno()
 
 
 def test_an_arrays_memory_moves_into_huge_pages_and_keeps_its_values():
@@ -55,6 +54,7 @@ def test_an_arrays_memory_moves_into_huge_pages_and_keeps_its_values():
     moved = collapse([a])
     assert np.array_equal(np.array(a), before)
     assert buffer_view(a).ctypes.data == address  # the same buffer
+    assert collapse([mx.zeros((16,))]) == 0  # smaller than a huge page: nothing to move
     if _system_collapses():
         # at least the aligned stretches inside 8 MB; the kernel may have no free 2 MB block
         # for a moment (a full test run, two workers holding the embedded model, once saw 0
@@ -66,22 +66,27 @@ def test_an_arrays_memory_moves_into_huge_pages_and_keeps_its_values():
             moved = collapse([a])
         if moved < 2 * HUGE_PAGE:
             assert _refusal(a) in (errno.EAGAIN, errno.ENOMEM)
-            return
-        # The kernel may split a collapsed page again before smaps is read (under memory
-        # pressure, or a DAMON scheme: a full test run once saw 0 bytes here right after a
-        # collapse that succeeded), so the collapse is tried up to three times; memory
-        # that never lands in huge pages still fails.
-        held = huge_page_bytes([a])
-        for _ in range(2):
-            if held >= 2 * HUGE_PAGE:
-                break
-            collapse([a])
-            held = huge_page_bytes([a])
-        assert held >= 2 * HUGE_PAGE
-        assert np.array_equal(np.array(a), before)
+        else:
+            _stays_in_huge_pages(a, before)
     else:
         assert moved == 0
-    assert collapse([mx.zeros((16,))]) == 0  # smaller than a huge page: nothing to move
+
+
+def _stays_in_huge_pages(a: mx.array, before: np.ndarray) -> None:
+    """After a collapse that succeeded, ``a``'s memory is in huge pages and keeps its values.
+
+    The kernel may split a collapsed page again before smaps is read (under memory
+    pressure, or a DAMON scheme: a full test run once saw 0 bytes here right after a
+    collapse that succeeded), so the collapse is tried up to three times; memory that never
+    lands in huge pages still fails."""
+    held = huge_page_bytes([a])
+    for _ in range(2):
+        if held >= 2 * HUGE_PAGE:
+            break
+        collapse([a])
+        held = huge_page_bytes([a])
+    assert held >= 2 * HUGE_PAGE
+    assert np.array_equal(np.array(a), before)
 
 
 def test_loading_a_model_collapses_its_weights_in_the_background(embedded_loaded):

@@ -309,7 +309,7 @@ class LlamaDecoder(NativeDecoder):
 
 
 def _gemma3(model: nn.Module, product: Gemm, exact: bool) -> NativeDecoder | None:
-    body, args = model.model, model.args
+    body, args, halves = model.model, model.args, takes_codes(product)
     layers = []
     for i, block in enumerate(body.layers):
         attn = block.self_attn
@@ -319,7 +319,7 @@ def _gemma3(model: nn.Module, product: Gemm, exact: bool) -> NativeDecoder | Non
             "q": attn.q_norm, "k": attn.k_norm,
         }  # fmt: skip
         sliding = i % args.sliding_window_pattern != args.sliding_window_pattern - 1
-        layer = _layer(block, norms, 1.0, sliding, takes_codes(product))
+        layer = _layer(block, norms, 1.0, sliding, halves)
         if layer is None:
             return None
         layers.append(layer)
@@ -328,13 +328,13 @@ def _gemma3(model: nn.Module, product: Gemm, exact: bool) -> NativeDecoder | Non
 
 
 def _llama(model: nn.Module, product: Gemm, exact: bool) -> NativeDecoder | None:
-    body, args = model.model, model.args
+    body, args, halves = model.model, model.args, takes_codes(product)
     layers = []
     for block in body.layers:
         if not isinstance(block.input_layernorm, nn.RMSNorm):
             return None
         norms = {"input": block.input_layernorm, "post_attention": block.post_attention_layernorm}
-        layer = _layer(block, norms, 0.0, bool(block.use_sliding), takes_codes(product))
+        layer = _layer(block, norms, 0.0, bool(block.use_sliding), halves)
         if layer is None:
             return None
         layers.append(layer)
