@@ -34,6 +34,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 from llvmlite import ir
+from numba import njit
 from numba.core import cgutils, types
 from numba.extending import intrinsic
 
@@ -58,11 +59,37 @@ def _fma_typing(typingctx: Any, a: Any, b: Any, c: Any) -> Any:
 fma = cast(Callable[[Any, Any, Any], Any], intrinsic(_fma_typing))
 
 
+@njit(cache=True, boundscheck=False)
+def exp_of_magnitude(v: Any) -> Any:
+    """MLX's ``exp`` of ``v >= 0``; inside numba loops only. At module level, so that a loop
+    calling it (``silu``) keys numba's disk cache by this module's name: held in a loop's
+    closure, a compiled function pickles differently in every process, and the loop was
+    compiled again (and its cache index grew by one entry) at every start."""
+    # MLX's exp of v >= 0 (what its sigmoid takes): 2**whole, which MLX builds in an
+    # fp32's exponent bits and multiplies by the polynomial, is an exact scaling for
+    # 0 <= whole <= 127, as ldexp is.
+    scaled = v * np.float32(1.442695)
+    whole = np.floor(scaled + np.float32(0.5))
+    part = scaled - whole
+    p = np.float32(1.535336188319500e-4)
+    p = fma(p, part, np.float32(1.339887440266574e-3))
+    p = fma(p, part, np.float32(9.618437357674640e-3))
+    p = fma(p, part, np.float32(5.550332471162809e-2))
+    p = fma(p, part, np.float32(2.402264791363012e-1))
+    p = fma(p, part, np.float32(6.931472028550421e-1))
+    p = fma(p, part, np.float32(1.0))
+    if v > np.float32(88.0):
+        return np.float32(np.inf)
+    if not v >= np.float32(0.0):  # NaN: MLX hands it on
+        return v
+    return np.float32(math.ldexp(p, int(whole)))
+
+
 @cache
 def _kernels() -> Any:
     """The compiled loops (numba, cached on disk). No fast-math anywhere: every operation
     rounds where MLX's does, in MLX's order."""
-    from numba import njit, prange
+    from numba import prange
 
     from kvshelf.model import exact_ops  # a module attribute, so numba's disk cache finds ``fma``
 
@@ -87,32 +114,11 @@ def _kernels() -> Any:
             inner = _GELU_C * (v + _GELU_K * math.pow(v, np.float32(3.0)))
             out[i] = (np.float32(0.5) * v) * (np.float32(1.0) + math.tanh(inner))
 
-    @njit(cache=True, boundscheck=False)
-    def exp_of_magnitude(v):
-        # MLX's exp of v >= 0 (what its sigmoid takes): 2**whole, which MLX builds in an
-        # fp32's exponent bits and multiplies by the polynomial, is an exact scaling for
-        # 0 <= whole <= 127, as ldexp is.
-        scaled = v * np.float32(1.442695)
-        whole = np.floor(scaled + np.float32(0.5))
-        part = scaled - whole
-        p = np.float32(1.535336188319500e-4)
-        p = exact_ops.fma(p, part, np.float32(1.339887440266574e-3))
-        p = exact_ops.fma(p, part, np.float32(9.618437357674640e-3))
-        p = exact_ops.fma(p, part, np.float32(5.550332471162809e-2))
-        p = exact_ops.fma(p, part, np.float32(2.402264791363012e-1))
-        p = exact_ops.fma(p, part, np.float32(6.931472028550421e-1))
-        p = exact_ops.fma(p, part, np.float32(1.0))
-        if v > np.float32(88.0):
-            return np.float32(np.inf)
-        if not v >= np.float32(0.0):  # NaN: MLX hands it on
-            return v
-        return np.float32(math.ldexp(p, int(whole)))
-
     @njit(parallel=True, cache=True, boundscheck=False)
     def silu(x, out):
         for i in prange(x.shape[0]):
             v = x[i]
-            y = np.float32(1.0) / (np.float32(1.0) + exp_of_magnitude(abs(v)))
+            y = np.float32(1.0) / (np.float32(1.0) + exact_ops.exp_of_magnitude(abs(v)))
             out[i] = v * (y if v < np.float32(0.0) else np.float32(1.0) - y)
 
     return rms_rows, gelu, silu

@@ -23,7 +23,7 @@ import mlx.core as mx
 import numpy as np
 
 from kvshelf.kv import row_coding
-from kvshelf.model import half_weights, native_ops, skinny
+from kvshelf.model import exact_ops, half_weights, native_ops, skinny
 from kvshelf.model.ordered_attention import ordered_attention
 
 assert skinny.blocked_product() is not None and skinny.invariant_blocked_product() is not None
@@ -34,6 +34,9 @@ x = rng.standard_normal((3, 256), dtype=np.float32)
 row_coding.quantize(row_coding.hadamard(x), 64, 4)
 row_coding.quantize_rotated(x, 64, 4)
 native_ops.gelu_gate(x, x)
+exact_ops.silu_gate(x, x)
+exact_ops.gelu_gate(x, x)
+exact_ops.rms_norm(x, np.ones(256, dtype=np.float32), 1e-6)
 native_ops.rms_norm(x, np.ones(256, dtype=np.float32), 1e-6)
 rope = native_ops.Rope(64, False, np.ones(32, dtype=np.float32), 1.0)
 rope(x.reshape(3, 4, 64), *rope.tables(np.arange(3)))
