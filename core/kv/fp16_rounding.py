@@ -13,7 +13,8 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import njit
+
+from kvshelf.model.jit import njit
 
 
 @njit(cache=True)

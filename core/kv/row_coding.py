@@ -28,9 +28,8 @@ NpTriple = tuple[np.ndarray, np.ndarray, np.ndarray]  # packed words, fp16 scale
 
 @cache
 def _kernels() -> Any:
-    from numba import njit
-
     from kvshelf.kv import fp16_rounding  # reached as a module attribute: see that module
+    from kvshelf.model.jit import njit
 
     @njit(cache=True)
     def hadamard_rows(x, scale):

@@ -34,10 +34,10 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 from llvmlite import ir
-from numba import njit
 from numba.core import cgutils, types
 from numba.extending import intrinsic
 
+from kvshelf.model.jit import njit
 from kvshelf.model.native_ops import F32, Rope
 
 _GELU_C = F32(math.sqrt(2 / math.pi))  # the Python floats nn.gelu_approx multiplies by, as MLX takes them
@@ -89,9 +89,8 @@ def exp_of_magnitude(v: Any) -> Any:
 def _kernels() -> Any:
     """The compiled loops (numba, cached on disk). No fast-math anywhere: every operation
     rounds where MLX's does, in MLX's order."""
-    from numba import prange
-
     from kvshelf.model import exact_ops  # a module attribute, so numba's disk cache finds ``fma``
+    from kvshelf.model.jit import prange
 
     @njit(cache=True, boundscheck=False)
     def rms_rows(x, weight, eps, inverse_n, out):

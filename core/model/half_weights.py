@@ -44,9 +44,10 @@ def _halve() -> Any:
     """The compiled copy (both cores; numpy's float16 casts took 3.5 s for the embedded
     head): each row's fp16 codes, or (``brain``) bf16's, and how many elements they do not
     hold bit for bit."""
-    from numba import njit, prange, types
+    from numba import types
 
     from kvshelf.model import half_floats
+    from kvshelf.model.jit import njit, prange
 
     weights = types.Array(types.float32, 2, "C", readonly=True)
     bits = types.Array(types.uint32, 2, "C", readonly=True)

@@ -32,7 +32,7 @@ _GELU_C = F32(np.sqrt(2.0 / np.pi))  # the tanh GELU's sqrt(2 / pi)
 def _rms_kernel() -> Any:
     """The norm of each row, one compiled pass (a numpy norm is five operations, 27 us a call
     on Gemma 3's 640 floats, and a step makes 109 of them)."""
-    from numba import njit
+    from kvshelf.model.jit import njit
 
     @njit(fastmath=True, cache=True, boundscheck=False)
     def rms_rows(x, weight, eps, out):
@@ -64,9 +64,8 @@ def _gate_kernel() -> Any:
     SiLU ``x * sigmoid(x)``. The exp in two vector loops (``kvshelf.model.vector_exp``),
     its argument kept within fp32's range, so the sigmoid goes to exactly 0 or 1 at the
     ends (compiled once per process, cached on disk by numba)."""
-    from numba import njit
-
     from kvshelf.model import vector_exp  # reached as a module attribute: see that module
+    from kvshelf.model.jit import njit
 
     @njit(fastmath=True, cache=True, boundscheck=False)
     def gate_times_up(gate, up, gelu, out):
@@ -151,7 +150,7 @@ def _rope_kernel() -> Any:
     """The rotation in one compiled pass (as numpy, it was eleven operations a call, and a
     decode step makes two a layer). Without fast-math, so every product and sum rounds as
     numpy's did: ``a * c - b * s`` is two rounded products, then their rounded difference."""
-    from numba import njit
+    from kvshelf.model.jit import njit
 
     @njit(cache=True, boundscheck=False)
     def rotate(x, cos, sin, dims, traditional, out):
@@ -227,9 +226,8 @@ def _attention_kernel() -> Any:
     of 512) and a batch's left padding, and their weights are exactly 0, which adds nothing
     to any sum; a range of columns all hidden weighs nothing, and a row that sees no column
     gets zeros (compiled once per process, cached on disk by numba)."""
-    from numba import njit, prange
-
     from kvshelf.model import vector_exp  # reached as a module attribute: see that module
+    from kvshelf.model.jit import njit, prange
 
     @njit(parallel=True, fastmath=True, cache=True, boundscheck=False)
     def grouped_decode(q, k, v, pitch, first, bias, splits, new_k, new_v, extra, out):

@@ -50,7 +50,7 @@ from kvshelf.switches import env_on
 def _kernel() -> Any:
     """The compiled loop (numba, cached on disk); None without numba."""
     try:
-        from numba import njit, prange
+        from kvshelf.model.jit import njit, prange
     except ImportError:
         return None
 

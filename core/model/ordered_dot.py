@@ -12,9 +12,9 @@ attributes that numba resolves when it compiles. Importing this module imports n
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
 
 from kvshelf.model import vector_exp
+from kvshelf.model.jit import njit
 
 
 # Reassociation only inside one dot product (fastmath), whose lanes depend on its length.

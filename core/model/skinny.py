@@ -91,9 +91,8 @@ def _signatures() -> list[Any]:
 def _kernel() -> Any:
     """The row-invariant loop: each output element its own dot product (compiled once per
     process, cached on disk by numba)."""
-    from numba import njit, prange
-
     from kvshelf.model import half_floats
+    from kvshelf.model.jit import njit, prange
 
     @njit(_signatures(), parallel=True, fastmath=True, cache=True, boundscheck=False)
     def rows_by_weight(x: np.ndarray, weight: np.ndarray, out: np.ndarray) -> None:
@@ -145,9 +144,8 @@ def _block_loop(block: int, tile: int, ahead: int = 0) -> Any:
     order (``invariant_blocked_product``). With ``ahead`` > 0, each tile first prefetches
     the weight rows ``ahead`` rows on (a hint: the sums do not change). Built once per
     (block, tile, ahead)."""
-    from numba import njit, prange
-
     from kvshelf.model import half_floats, prefetch
+    from kvshelf.model.jit import njit, prange
     from kvshelf.model.prefetch import LINE_FLOATS
 
     prefetched = tile if ahead > 0 else 0  # weight rows each tile asks for (a constant here)

@@ -18,7 +18,8 @@ so every element rounds alike). A module of its own, reached as a module attribu
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+
+from kvshelf.model.jit import njit
 
 LOG2E = np.float32(1.4426950408889634)
 LN2_HIGH, LN2_LOW = np.float32(0.693359375), np.float32(-2.12194440e-4)

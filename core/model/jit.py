@@ -1,0 +1,82 @@
+"""kvshelf's compiled loops come from here: numba's ``njit`` and ``prange``, with numba's
+compiles serialized across processes.
+
+Why: numba's on-disk cache is not safe for processes that write it at once
+(numba/numba#10128, open). A loop's index file maps each compiled variant to a numbered
+data file; two processes that compile variants of one loop at the same moment can both
+read the index, both take the same number, and each write its own code there, so that a
+later process loads one variant's code for another. Two kvshelf processes started together
+on a fresh install (cluster nodes on one machine, a server beside a benchmark) can do that.
+
+numba holds its compiler lock (an in-process lock) around a dispatcher's whole compile:
+the cache lookup, the compile and the cache write. This module listens to that lock's
+``numba:compiler_lock`` events (numba's public event API) and holds an exclusive ``flock``
+on one lock file for as long as any thread of this process holds it, so that a second
+process's compile starts only once the first's cache write is done, and loads it.
+
+The lock file lies in ``$NUMBA_CACHE_DIR`` when that is set (one lock per cache), else in
+the temp directory (one lock per machine, whatever cache directory numba picked). It only
+serializes processes on one machine: ``flock`` is not a lock over a network filesystem.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import tempfile
+import threading
+from pathlib import Path
+from typing import Any
+
+from numba import njit, prange
+from numba.core import event
+
+__all__ = ["njit", "prange", "lock_path"]
+
+LOCK_NAME = "kvshelf-numba.lock"
+
+
+def lock_path() -> Path:
+    """The file whose ``flock`` every kvshelf process's compiles hold."""
+    return Path(os.environ.get("NUMBA_CACHE_DIR") or tempfile.gettempdir()) / LOCK_NAME
+
+
+class _CrossProcessCompileLock(event.Listener):
+    """Holds the file's ``flock`` while this process holds numba's compiler lock.
+
+    numba broadcasts the event's start before its (reentrant) lock is taken and its end
+    after it is let go, once per acquisition, from whichever thread; the count of open
+    acquisitions says when the first begins and the last ends."""
+
+    def __init__(self) -> None:
+        self._mutex = threading.Lock()
+        self._open = 0
+        self._fd: int | None = None
+
+    def on_start(self, event: Any) -> None:
+        with self._mutex:
+            self._open += 1
+            if self._open == 1:
+                self._fd = _locked(lock_path())
+
+    def on_end(self, event: Any) -> None:
+        with self._mutex:
+            self._open -= 1
+            if self._open == 0 and self._fd is not None:
+                os.close(self._fd)  # closing the only descriptor lets the flock go
+                self._fd = None
+
+
+def _locked(path: Path) -> int | None:
+    """An exclusively ``flock``ed descriptor of ``path``, or None where the file cannot be
+    opened (a read-only temp directory): the compile then goes on unserialized, as numba's
+    own would. Opened read-only, so that a lock file another user made serves as well."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CREAT, 0o666)
+    except OSError:
+        return None
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    return fd
+
+
+event.register("numba:compiler_lock", _CrossProcessCompileLock())
