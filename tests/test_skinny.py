@@ -18,6 +18,7 @@ from kvshelf.model.gemv import GemvLinear, with_fast_linears
 from kvshelf.model.head import ProjectedModel, buffer_view
 from kvshelf.model.loader import load
 from kvshelf.model.skinny import (
+    BLOCK_WEIGHT_ROWS,
     MAX_LAYER_ROWS,
     MIN_LAYER_BYTES,
     PREFETCH_ROWS,
@@ -68,7 +69,7 @@ def test_asking_for_the_weight_ahead_changes_no_sum(blocked, n, k):
     rng = np.random.default_rng(n + k)
     weight = rng.standard_normal((n, k)).astype(np.float32)
     x = rng.standard_normal((MAX_FEW_ROWS, k)).astype(np.float32)
-    unprefetched = blocked_without_prefetch(weight_rows=1)
+    unprefetched = blocked_without_prefetch(eights=BLOCK_WEIGHT_ROWS, fours=BLOCK_WEIGHT_ROWS)
     for m in range(1, MAX_FEW_ROWS + 1):
         assert np.array_equal(blocked(x[:m], weight), unprefetched(x[:m], weight)), m
 

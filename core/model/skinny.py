@@ -115,8 +115,9 @@ WEIGHT_ROWS = 4
 # How many weight rows ahead the default kernels' blocks ask for their weight
 # (``kvshelf.model.prefetch``). A block of 2-8 rows computes long enough on each weight row
 # that the hardware prefetcher falls behind and the loop waits for memory, then computes;
-# asked for ahead, the two overlap. Then one weight row at a time is fastest at every
-# block (before, eights took four: ``blocked_without_prefetch``). Every projection of a
+# asked for ahead, the two overlap. Then (with fp32 weights) one weight row at a time was
+# fastest at every block (before, eights took four: ``blocked_without_prefetch``; since the
+# 16-bit codes, ``BLOCK_WEIGHT_ROWS``). Every projection of a
 # step, random weights of the models' shapes, medians of 9 interleaved rounds (scratch
 # run, 2-core EPYC, 2026-12-06), ms before / with 4 rows ahead / with 8: Gemma 3 at 8
 # rows 66.1 / 44.8 / 43.2 (its head 42.0 / 24.0 / 22.9), at 4 rows 41.4 / 38.5 / 36.3,
@@ -131,6 +132,25 @@ PREFETCH_ROWS = 8
 # (2026-12-06, load 0.7-1.1), ms with / without: Gemma 3 49.6 / 45.3 and 53.0 / 48.0, the
 # llama 38.0 / 34.0 and 45.7 / 42.9.
 PREFETCH_BLOCK = 4
+
+# Weight rows the default kernels' prefetching blocks (four and eight x rows) take at once.
+# Reading 16-bit codes (``kvshelf.model.half_weights``) halved what a block waits for from
+# memory, so eight rows became bound by their loads and sums: against two weight rows, each
+# x vector loaded serves two sums. Every projection of a step, 16-bit codes of random
+# weights in the models' shapes, the best of 2-3 interleaved rounds of medians of 9
+# (scratch, 2-core EPYC, 2026-12-07), ms against one weight row / two: Gemma 3's 18 layers
+# at 8 rows 11.07 / 7.95 and 13.00 / 7.89, its head 15.67 / 10.31 and 20.68 / 14.57; at 4
+# rows 6.07 / 6.62 and 7.91 / 7.90, its head 9.57 / 9.68 and 10.19 / 10.08; the 30-layer
+# llama's layers and head (bf16 codes) at 8 rows 17.95 / 14.40, at 4 rows 11.93 / 10.41;
+# fp32 weights, Gemma 3's layers, 19.75 / 17.37 at 8 rows, 15.18 / 13.34 at 4. Three weight
+# rows were slower than two at 8 rows (Gemma 3's layers 11.61, its head 15.32). Blocks of
+# two rows keep one (9.42 against 6.96 without a prefetch, 6.19 with one, but its head
+# 9.85 against 8.06). Whole steps at 1K (``benchmarks/decode.py``, three interleaved pairs
+# of processes, load 1.2-1.5), ms against one weight row / two at batch 8: Gemma 3 77.0 /
+# 61.9, 59.4 / 46.3, 47.7 / 33.8, the llama (bf16) 41.6 / 33.6, 83.9 / 41.5, 49.5 / 32.6;
+# at batch 4, Gemma 3 42.2 / 38.8, 37.3 / 29.5, 30.1 / 24.1 (batch 1, unchanged, drifted
+# by 0.85-1.09 between the pairs).
+BLOCK_WEIGHT_ROWS = 2
 
 
 @cache
@@ -224,12 +244,17 @@ def _block_of(rows: int) -> int:
     return 1 if rows == 1 else 2 if rows == 2 else 4 if rows <= 4 else 8
 
 
-def _blocked(x: np.ndarray, weight: np.ndarray, weight_rows: int = 1, ahead: int = PREFETCH_ROWS) -> np.ndarray:
+def _blocked(
+    x: np.ndarray,
+    weight: np.ndarray,
+    eights: int = BLOCK_WEIGHT_ROWS,
+    fours: int = BLOCK_WEIGHT_ROWS,
+    ahead: int = PREFETCH_ROWS,
+) -> np.ndarray:
     """``x @ weight.T`` as ``_product``, a row alone through its loop, more rows in register
-    blocks against one weight row at a time, blocks of ``PREFETCH_BLOCK`` rows and more
-    asking for the weight ``ahead`` rows on (zero rows added up to the block's multiple;
-    their sums are dropped). ``weight_rows``: the weight rows a block of eight takes
-    instead (the form before ``PREFETCH_ROWS``)."""
+    blocks (zero rows added up to the block's multiple; their sums are dropped): blocks of
+    two against one weight row at a time, of four against ``fours`` weight rows and of
+    eight against ``eights``, those asking for the weight ``ahead`` rows on."""
     x = _checked(x, weight)
     rows = x.shape[0]
     block = _block_of(rows)
@@ -239,7 +264,8 @@ def _blocked(x: np.ndarray, weight: np.ndarray, weight_rows: int = 1, ahead: int
     if padded != rows:
         x = np.concatenate([x, np.zeros((padded - rows, x.shape[1]), dtype=np.float32)])
     out = np.empty((padded, weight.shape[0]), dtype=np.float32)
-    _loop_for(block, weight_rows if block == 8 else 1, weight, ahead if block >= PREFETCH_BLOCK else 0)(x, weight, out)
+    tile = eights if block == 8 else fours if block == 4 else 1
+    _loop_for(block, tile, weight, ahead if block >= PREFETCH_BLOCK else 0)(x, weight, out)
     return out[:rows]
 
 
@@ -320,11 +346,12 @@ def invariant_blocked_product() -> Gemm | None:
     return _invariant_blocked if _invariant_and_exact(_invariant_blocked, rows=40) else None
 
 
-def blocked_without_prefetch(weight_rows: int = WEIGHT_ROWS) -> Gemm:
-    """``blocked_product``'s loops as they were before ``PREFETCH_ROWS``: no prefetch, the
-    block of eight rows against ``weight_rows`` weight rows. Unchecked: for
-    ``benchmarks/head_rows.py`` to time both forms side by side."""
-    return lambda x, weight: _blocked(x, weight, weight_rows, ahead=0)
+def blocked_without_prefetch(eights: int = WEIGHT_ROWS, fours: int = 1) -> Gemm:
+    """``blocked_product``'s loops without asking for the weight ahead, the blocks of eight
+    and of four rows against ``eights`` and ``fours`` weight rows (by default the form before
+    ``PREFETCH_ROWS``). Unchecked: for ``benchmarks/head_rows.py`` to time both forms side by
+    side, and for the tests to show the prefetch changes no sum."""
+    return lambda x, weight: _blocked(x, weight, eights=eights, fours=fours, ahead=0)
 
 
 def _invariant_and_exact(product: Gemm, rows: int = MAX_FEW_ROWS + 1) -> bool:
@@ -406,8 +433,9 @@ def _exact(product: Gemm) -> bool:
 @cache
 def blocked_product() -> Gemm | None:
     """``x @ weight.T`` for a decode step's rows, fastest: one row through the row-invariant
-    loop, 2 rows by twos, 3-4 by fours, 5 and more by eights, one weight row at a time,
-    the fours and eights asking for it ahead (``PREFETCH_ROWS``). A row's bits then
+    loop, 2 rows by twos against one weight row at a time, 3-4 by fours and 5 and more by
+    eights against ``BLOCK_WEIGHT_ROWS``, those asking for the weight ahead
+    (``PREFETCH_ROWS``). A row's bits then
     depend on the block its product ran in (the loops sum in other orders), as a row of
     MLX's matmul depends on its row count; each within the same fp32 bound. Where a row's
     bits must be its own (the temperature-0 kernels' head), ``skinny_product``.
