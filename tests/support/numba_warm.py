@@ -7,8 +7,10 @@ numbered data file, and two processes that compile different variants of one loo
 same moment can both take the same number: a later process then loads one variant's code
 for the other. A fresh checkout's first full run, two workers compiling the blocked
 products' variants in different orders, once ran a block loop that summed in another order
-(two bit-for-bit tests failed by 1e-7; the next run passed). Compiled once by the
-controller, every variant the workers ask for is already there to load.
+(two bit-for-bit tests failed by 1e-7; the next run passed). ``kvshelf.model.jit`` now
+serializes every compile across processes, which closes that race for users too; compiled
+once by the controller, every variant the workers ask for is already there to load, and
+no worker waits on the lock for another's compiles.
 """
 
 from __future__ import annotations
