@@ -74,6 +74,25 @@ def test_asking_for_the_weight_ahead_changes_no_sum(blocked, n, k):
         assert np.array_equal(blocked(x[:m], weight), unprefetched(x[:m], weight)), m
 
 
+@pytest.mark.parametrize(("n", "k"), [(1024, 640), (4099, 576), (PREFETCH_ROWS + 1, 640), (7, 3)])
+def test_the_row_invariant_blocks_ask_ahead_without_changing_a_sum(n, k):
+    """The row-invariant product's blocks prefetch their weight too: every row count gets
+    the bits of the same loop without the hint (the last weight rows included)."""
+    from kvshelf.model.skinny import INVARIANT_BLOCK, WEIGHT_ROWS, _loop_for
+
+    invariant = invariant_blocked_product()
+    assert invariant is not None
+    rng = np.random.default_rng(n * k)
+    weight = rng.standard_normal((n, k)).astype(np.float32)
+    x = rng.standard_normal((12, k)).astype(np.float32)
+    for m in (2, 4, 5, 12):
+        padded = np.zeros((-(-m // INVARIANT_BLOCK) * INVARIANT_BLOCK, k), dtype=np.float32)
+        padded[:m] = x[:m]
+        without = np.empty((padded.shape[0], n), dtype=np.float32)
+        _loop_for(INVARIANT_BLOCK, WEIGHT_ROWS, weight)(padded, weight, without)
+        assert np.array_equal(invariant(x[:m], weight), without[:m]), m
+
+
 def test_the_prefetch_can_be_turned_off(monkeypatch):
     monkeypatch.setenv("KVSHELF_NO_PREFETCH", "1")
     blocked_product.cache_clear()
