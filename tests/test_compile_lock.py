@@ -87,3 +87,29 @@ def test_every_compiled_loop_of_kvshelf_takes_njit_from_the_locked_module():
         if path != Path(jit.__file__) and direct.search(path.read_text())
     ]
     assert not offenders, f"compile through kvshelf.model.jit, not numba directly: {offenders}"
+
+
+def test_a_forked_child_does_not_keep_the_parents_lock(tmp_path, monkeypatch):
+    """A fork in the middle of a compile (another thread's, say) copies the locked
+    descriptor into the child; the child lets its copy go, so the lock is free as soon as
+    the parent's compile ends, however long the child lives."""
+    monkeypatch.setenv("NUMBA_CACHE_DIR", str(tmp_path))
+    jit.LISTENER.on_start(None)  # as numba does when a compile takes its compiler lock
+    ready, started = os.pipe()
+    child = os.fork()
+    if child == 0:  # the child (past its fork hooks): say so, outlive the parent's compile, leave
+        os.write(started, b"1")
+        time.sleep(3.0)
+        os._exit(0)
+    try:
+        assert os.read(ready, 1) == b"1"
+        jit.LISTENER.on_end(None)
+        probe = os.open(jit.lock_path(), os.O_RDONLY)
+        try:
+            fcntl.flock(probe, fcntl.LOCK_EX | fcntl.LOCK_NB)  # BlockingIOError while anyone holds it
+        finally:
+            os.close(probe)
+    finally:
+        os.waitpid(child, 0)
+        os.close(ready)
+        os.close(started)

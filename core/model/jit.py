@@ -12,7 +12,9 @@ numba holds its compiler lock (an in-process lock) around a dispatcher's whole c
 the cache lookup, the compile and the cache write. This module listens to that lock's
 ``numba:compiler_lock`` events (numba's public event API) and holds an exclusive ``flock``
 on one lock file for as long as any thread of this process holds it, so that a second
-process's compile starts only once the first's cache write is done, and loads it.
+process's compile starts only once the first's cache write is done, and loads it. A
+child forked in the middle of a compile lets its copy of the locked descriptor go, so that
+it cannot hold every other process's compiles for as long as it lives.
 
 The lock file lies in ``$NUMBA_CACHE_DIR`` when that is set (one lock per cache), else in
 the temp directory (one lock per machine, whatever cache directory numba picked). It only
@@ -66,6 +68,16 @@ class _CrossProcessCompileLock(event.Listener):
                 os.close(self._fd)  # closing the only descriptor lets the flock go
                 self._fd = None
 
+    def forget_in_child(self) -> None:
+        """After a fork: the child has none of the parent's threads, so none of its
+        acquisitions will end there, but it holds a copy of the locked descriptor, which
+        would keep every other process's compiles waiting for as long as the child lives."""
+        self._mutex = threading.Lock()
+        self._open = 0
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
 
 def _locked(path: Path) -> int | None:
     """An exclusively ``flock``ed descriptor of ``path``, or None where the file cannot be
@@ -79,4 +91,6 @@ def _locked(path: Path) -> int | None:
     return fd
 
 
-event.register("numba:compiler_lock", _CrossProcessCompileLock())
+LISTENER = _CrossProcessCompileLock()
+event.register("numba:compiler_lock", LISTENER)
+os.register_at_fork(after_in_child=LISTENER.forget_in_child)
