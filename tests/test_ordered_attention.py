@@ -117,8 +117,19 @@ def test_query_heads_sharing_a_job_keep_their_bits(shape):
         even = [p for p in divisors if jobs * p % cpus == 0]
         filling = [p for p in divisors if jobs * p >= cpus]
         assert parts == (even or filling or [group])[0]
-    if cpus == 2:  # a decode row of the 30-layer llama: three KV heads, read once each
-        assert head_parts(3, 3) == 1 and head_parts(1, 4) == 2 and head_parts(1, 3) == 3
+
+
+def test_a_kv_head_is_read_once_where_the_cores_cannot_share_it_evenly(monkeypatch):
+    """On two cores: a decode row of the 30-layer llama (three KV heads of three query heads)
+    runs as three jobs, each reading its head's keys and values once, not as nine; Gemma 3's
+    one KV head of four query heads as two jobs of two; a lone KV head of three as three."""
+    from kvshelf.model import ordered_attention
+
+    monkeypatch.setattr(ordered_attention, "usable_cpus", lambda: 2)
+    assert ordered_attention.head_parts(3, 3) == 1
+    assert ordered_attention.head_parts(1, 4) == 2
+    assert ordered_attention.head_parts(1, 3) == 3
+    assert ordered_attention.head_parts(256, 4) == 1
 
 
 def test_attention_weights_are_exp_within_fp32_rounding():

@@ -89,7 +89,7 @@ def exp_of_magnitude(v: Any) -> Any:
 def _kernels() -> Any:
     """The compiled loops (numba, cached on disk). No fast-math anywhere: every operation
     rounds where MLX's does, in MLX's order."""
-    from kvshelf.model import exact_ops  # a module attribute, so numba's disk cache finds ``fma``
+    from kvshelf.model import exact_ops  # a module attribute, so numba's disk cache finds ``exp_of_magnitude``
     from kvshelf.model.jit import prange
 
     @njit(cache=True, boundscheck=False)

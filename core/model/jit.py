@@ -33,7 +33,7 @@ from typing import Any
 from numba import njit, prange
 from numba.core import event
 
-__all__ = ["njit", "prange", "lock_path"]
+__all__ = ["LISTENER", "LOCK_NAME", "lock_path", "njit", "prange"]
 
 LOCK_NAME = "kvshelf-numba.lock"
 
