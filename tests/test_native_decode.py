@@ -146,12 +146,13 @@ def test_attention_matches_mlx_with_grouped_heads_and_masks(mask_kind, layout, s
 def test_columns_the_mask_hides_are_never_read(splits):
     """A sliding window's rows kept back to a block boundary and a batch's left padding:
     their keys and values are not read (NaN there changes nothing), and the result has the
-    bits of the same call over finite rows there."""
+    bits of the same call over finite rows there. An odd prefix puts a hidden column and a
+    visible one in one of the pairs the kernel reads at once."""
     rng = np.random.default_rng(5)
     b, heads, kv, width, d = 2, 4, 1, 700, 64
     q = rng.standard_normal((b, heads, d)).astype(np.float32)
     keys, values = (rng.standard_normal((b, kv, width, d)).astype(np.float32) for _ in range(2))
-    hidden = np.arange(width)[None, :] < np.array([256, 300])[:, None]  # each agent's own hidden prefix
+    hidden = np.arange(width)[None, :] < np.array([255, 300])[:, None]  # each agent's own hidden prefix
     bias = mask_bias(mx.array(~hidden[:, None, None, :]))
     assert bias is not None
     clean = attend(q, keys, values, bias, 0.125, splits)
@@ -162,7 +163,7 @@ def test_columns_the_mask_hides_are_never_read(splits):
     assert np.all(np.isfinite(got)) and np.array_equal(got, clean)
     visible = [
         attend(q[i : i + 1], keys[i : i + 1, :, n:], values[i : i + 1, :, n:], None, 0.125, 1)
-        for i, n in enumerate((256, 300))
+        for i, n in enumerate((255, 300))
     ]
     assert close(clean, np.concatenate(visible), 1e-6)
 
