@@ -19,6 +19,18 @@ it cannot hold every other process's compiles for as long as it lives.
 The lock file lies in ``$NUMBA_CACHE_DIR`` when that is set (one lock per cache), else in
 the temp directory (one lock per machine, whatever cache directory numba picked). It only
 serializes processes on one machine: ``flock`` is not a lock over a network filesystem.
+
+Where a loop was compiled shows in its last bits: numba's ``parallel`` fast-math loops (the
+default kernels' attention and products) round their sums otherwise in the process that
+compiled them than in the processes that load them from numba's cache afterwards (the
+attention loop by up to 6e-8 on random inputs; the embedded Gemma 3's logits over four
+steps of a batch of two hashed otherwise in the compiling process and alike in the two
+after it; the same loop without ``parallel`` does not differ; 2026-12-07, numba 0.68).
+Loading the loop again in the compiling process does not help: its code is already
+linked there. So two variants of one loop (two argument types) need not agree when one
+was compiled here and the other loaded, and a loop takes one type of each argument where
+it can (``native_ops.attend``). Temperature 0's loops give the same bits either way
+(``benchmarks/invariant_bitcheck.py``, a fresh ``NUMBA_CACHE_DIR`` and then from it).
 """
 
 from __future__ import annotations

@@ -188,6 +188,18 @@ def mask_bias(mask: Any) -> np.ndarray | None:
     return np.maximum(m.astype(F32), MASKED)
 
 
+def _read_only(a: np.ndarray) -> np.ndarray:
+    """A read-only view of ``a`` (no copy). numba compiles a loop apart for each argument
+    type, and read-only is a type of its own: a working set's buffer read in place
+    (``_rows_of``) came read-only, a whole buffer writable, so one step's two ways to the
+    same attention ran two compiled variants of the loop, which need not round alike (one
+    compiled in the process, the other loaded from numba's cache: ``kvshelf.model.jit``
+    says why they differ). Every input read-only, the loop has one variant."""
+    view = a.view()
+    view.flags.writeable = False
+    return view
+
+
 def _rows_of(a: np.ndarray) -> tuple[np.ndarray, int]:
     """(batch, kv_heads, width, d) keys or values as a C-contiguous (rows, d) array and its
     pitch: head ``(b, h)``'s column ``t`` is row ``(b * kv_heads + h) * pitch + t``.
@@ -435,6 +447,7 @@ def attend(
     out = np.empty((b, kv, heads // kv, values.shape[3]), dtype=F32)
     splits = column_splits(b * kv, width) if splits is None else splits
     kernel = _attention_kernel()
-    bias = np.ascontiguousarray(bias, dtype=F32)
+    inputs = (_read_only(x) for x in (grouped, k, v, np.ascontiguousarray(bias, dtype=F32), new_keys, new_values))
+    grouped, k, v, bias, new_keys, new_values = inputs
     kernel(grouped, k, v, pitch, first, bias, splits, new_keys, new_values, extra, out)
     return out.reshape(b, heads * values.shape[3])
