@@ -26,6 +26,7 @@ from kvshelf.model.native_decode import PROBE_TOLERANCE, NativeDecoder, probe_ga
 from kvshelf.model.native_ops import (
     SPLIT_COLUMNS,
     Rope,
+    _attention_kernel,
     attend,
     column_splits,
     gelu_gate,
@@ -166,6 +167,23 @@ def test_columns_the_mask_hides_are_never_read(splits):
         for i, n in enumerate((255, 300))
     ]
     assert close(clean, np.concatenate(visible), 1e-6)
+
+
+def test_a_whole_buffer_and_its_rows_read_in_place_run_one_compiled_loop():
+    """A working set's buffer read whole (writable) and its last columns read in place
+    (read-only views) give the attention loop the same argument types: one compiled
+    variant, so both ways round alike wherever the loop was compiled or loaded from
+    (``kvshelf.model.jit``: a variant compiled in the process and another loaded from
+    numba's cache once gave the two ways other bits)."""
+    rng = np.random.default_rng(11)
+    b, heads, kv, capacity, d = 2, 4, 2, 300, 64
+    q = rng.standard_normal((b, heads, d)).astype(np.float32)
+    keys, values = (rng.standard_normal((b, kv, capacity, d)).astype(np.float32) for _ in range(2))
+    lo, end = 40, 260
+    whole = attend(q, keys, values, None, 0.125, 1, span=(lo, end))
+    in_place = attend(q, keys[:, :, lo:end], values[:, :, lo:end], None, 0.125, 1)
+    assert np.array_equal(whole, in_place)
+    assert len(_attention_kernel().signatures) == 1
 
 
 @pytest.mark.parametrize("spread", [1.0, 40.0, 400.0])
