@@ -58,14 +58,23 @@ def test_an_arrays_memory_moves_into_huge_pages_and_keeps_its_values():
     if _system_collapses():
         # at least the aligned stretches inside 8 MB; the kernel may have no free 2 MB block
         # for a moment (a full test run, two workers holding the embedded model, once saw 0
-        # here): tried again, and where it still refuses, it must say so (EAGAIN / ENOMEM)
-        for _ in range(2):
+        # here), so it is tried again; where it still refuses, the call must have been well
+        # formed (2 MB-aligned, inside the buffer) and the refusal one that MADV_COLLAPSE
+        # gives for a well-formed range: EAGAIN, ENOMEM, EBUSY, or EINVAL for a cause in the
+        # range itself (the kernel's madvise_collapse_errno; a fresh checkout's full CI run
+        # once saw EINVAL three times over a second)
+        for _ in range(4):
             if moved >= 2 * HUGE_PAGE:
                 break
             time.sleep(0.5)
             moved = collapse([a])
         if moved < 2 * HUGE_PAGE:
-            assert _refusal(a) in (errno.EAGAIN, errno.ENOMEM)
+            stretch = huge_pages._stretch(a)
+            assert stretch is not None
+            start, length = stretch
+            assert start % HUGE_PAGE == 0 and length % HUGE_PAGE == 0 and length >= 3 * HUGE_PAGE
+            assert address <= start and start + length <= address + a.nbytes
+            assert _refusal(a) in (errno.EAGAIN, errno.ENOMEM, errno.EBUSY, errno.EINVAL)
         else:
             _stays_in_huge_pages(a, before)
     else:
