@@ -27,10 +27,12 @@ attention loop by up to 6e-8 on random inputs; the embedded Gemma 3's logits ove
 steps of a batch of two hashed otherwise in the compiling process and alike in the two
 after it; the same loop without ``parallel`` does not differ; 2026-12-07, numba 0.68).
 Loading the loop again in the compiling process does not help: its code is already
-linked there. So two variants of one loop (two argument types) need not agree when one
-was compiled here and the other loaded, and a loop takes one type of each argument where
-it can (``native_ops.attend``). Temperature 0's loops give the same bits either way
-(``benchmarks/invariant_bitcheck.py``, a fresh ``NUMBA_CACHE_DIR`` and then from it).
+linked there. So an engine loads every loop a child compiled for it
+(``kvshelf.runtime.loop_warmup``; ``compiled_here`` names any a process compiled itself),
+and a loop takes one type of each argument where it can (``native_ops.attend``): two
+variants need not agree when one was compiled here and the other loaded. Temperature 0's
+loops give the same bits either way (``benchmarks/invariant_bitcheck.py``, a fresh
+``NUMBA_CACHE_DIR`` and then from it).
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ from typing import Any
 from numba import njit, prange
 from numba.core import event
 
-__all__ = ["LISTENER", "LOCK_NAME", "lock_path", "njit", "prange"]
+__all__ = ["LISTENER", "LOCK_NAME", "compiled_here", "lock_path", "njit", "prange"]
 
 LOCK_NAME = "kvshelf-numba.lock"
 
@@ -103,6 +105,31 @@ def _locked(path: Path) -> int | None:
     return fd
 
 
+class _CompiledHere(event.Listener):
+    """Names every kvshelf loop variant this process compiles (numba's ``numba:compile``
+    event comes only where its cache had no code to load)."""
+
+    def __init__(self) -> None:
+        self.names: list[str] = []
+
+    def on_start(self, event: Any) -> None:
+        func = getattr((event.data or {}).get("dispatcher"), "py_func", None)
+        if func is not None and func.__module__.startswith("kvshelf."):
+            self.names.append(func.__qualname__)
+
+    def on_end(self, event: Any) -> None:
+        pass
+
+
+def compiled_here() -> list[str]:
+    """kvshelf's loop variants that this process compiled rather than loaded from numba's
+    cache, in order: each may round otherwise here than in every process after it
+    (``kvshelf.runtime.loop_warmup`` keeps an engine's list empty)."""
+    return list(_COMPILED.names)
+
+
 LISTENER = _CrossProcessCompileLock()
 event.register("numba:compiler_lock", LISTENER)
 os.register_at_fork(after_in_child=LISTENER.forget_in_child)
+_COMPILED = _CompiledHere()
+event.register("numba:compile", _COMPILED)

@@ -27,12 +27,13 @@ import numpy as np
 from kvshelf.errors import ContextLengthExceeded, KVShelfError
 from kvshelf.kv.schemes import DEFAULT_SCHEME, KVScheme
 from kvshelf.kv.schemes import scheme as kv_scheme_named
-from kvshelf.model.loader import LoadedModel, load
+from kvshelf.model.loader import LoadedModel, fingerprint_of, load
 from kvshelf.model.template import Message, ToolParser, native_tool_parser, validate_messages
 from kvshelf.paths import default_cache_dir
 from kvshelf.runtime.anonymous import MAX_ENTRIES as ANONYMOUS_ENTRIES
 from kvshelf.runtime.boundaries import message_boundaries
 from kvshelf.runtime.events import Event, Failed, Finished, Prefilled, Text
+from kvshelf.runtime.loop_warmup import compile_in_child
 from kvshelf.runtime.params import GenerationParams
 from kvshelf.runtime.repetition import Breakers, DryPenalty
 from kvshelf.runtime.results import (  # noqa: F401  (re-exported)
@@ -106,6 +107,8 @@ class Engine:
         location = parse_store(store if store is not None else cache_dir or default_cache_dir())
         if store is not None and cache_dir is not None and location.path is not None:
             raise ValueError("give a directory as cache_dir or as store, not both")
+        if not isinstance(model, LoadedModel):  # this process then loads every loop (loop_warmup)
+            compile_in_child(model, fingerprint_of(model, progress=progress), progress)
         self.loaded: LoadedModel = load(model, progress=progress)
         self.cache_dir = local_root(location, Path(cache_dir) if cache_dir is not None else None)
         """The node's own directory: the store for a directory store; the read-through cache
