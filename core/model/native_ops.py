@@ -232,6 +232,15 @@ def _rows_of(a: np.ndarray) -> tuple[np.ndarray, int]:
 # 667 pairs 16 ahead.
 ATTENTION_AHEAD = 16
 
+# The shortest head whose query rows decode attention takes two at a time (each key and
+# value element then loaded once for both rows, not once a row). Whole steps alternating
+# the kernels in one process (2026-12-07, scratch), ms of attention a step: Gemma 3's
+# 256-float heads at 1K 1.92 -> 1.80 at batch 1, 4.71 -> 3.92 at batch 4, 9.27 -> 7.45 at
+# batch 8, at 16K 5.83 -> 5.13 and 19.33 -> 16.34; the llama's 64-float heads lost (1K
+# 2.13 -> 2.28, 6.83 -> 7.33, 13.29 -> 13.77; 16K batch 1 22.69 -> 23.63), so they go a
+# row at a time.
+ROW_PAIRS_FROM = 128
+
 # Columns below which a head's keys are not split between jobs: a job's fixed cost (a few
 # microseconds) would outweigh what a second core reads.
 SPLIT_COLUMNS = 256
@@ -253,8 +262,14 @@ def _attention_kernel() -> Any:
     Keys and values are read two columns at a time where both count, each pair with a
     prefetch ``ATTENTION_AHEAD`` rows on: each query element loaded once for two keys,
     each output element loaded and stored once for two values, and memory asked for
-    before the loads wait on it. Every sum keeps its order (the bits came out the same as
-    one column at a time, both models' head sizes, 2026-12-07)."""
+    before the loads wait on it (the bits came out the same as one column at a time, both
+    models' head sizes, 2026-12-07). Heads of at least ``ROW_PAIRS_FROM`` floats (Gemma 3's
+    256) also take their query rows two at a time, each key and value element loaded once
+    for both rows where it was loaded once a row: that moved sums by up to 1e-7, and one
+    loop body then serves every column (a lone one goes as a pair with itself, at weight 0
+    for its values), because a separate loop for lone columns gave other bits than pairs,
+    and a column's bits must not depend on its neighbour. Shorter heads keep the loops
+    before (the same bits)."""
     from kvshelf.model import prefetch, vector_exp  # reached as module attributes: see those modules
     from kvshelf.model.jit import njit, prange
     from kvshelf.model.prefetch import LINE_FLOATS
@@ -265,6 +280,7 @@ def _attention_kernel() -> Any:
         width, dv = bias.shape[1], v.shape[1]
         stored = width - extra  # columns in k and v; the last ``extra`` (0 or 1) are new_k/new_v
         span = -(-width // splits)
+        paired_rows = d >= ROW_PAIRS_FROM and dv >= ROW_PAIRS_FROM
         tops = np.empty((batch * kv, splits, group), dtype=np.float32)
         sums = np.empty((batch * kv, splits, group), dtype=np.float32)
         parts = np.empty((batch * kv, splits if splits > 1 else 0, group, dv), dtype=np.float32)
@@ -280,40 +296,92 @@ def _attention_kernel() -> Any:
             n = max(hi - lo, 0)
             scores = np.empty((group, max(n, 1)), dtype=np.float32)
             m = max(min(hi, stored) - lo, 0)  # of them, stored columns; the rest is the new row
-            t = 0
-            while t < m:
-                r = base + lo + t
-                if t + 1 < m and bias[br, lo + t] != MASKED and bias[br, lo + t + 1] != MASKED:
-                    if t + ATTENTION_AHEAD + 1 < m:
+            if paired_rows:
+                # One loop body scores every column: a lone one (a hidden neighbour, the last, the step's
+                # new row) goes as a pair with itself, so a column's bits do not depend on its neighbour
+                # (the working set's hidden columns and the step's new row move with the step). Separate
+                # copies of the same loop for lone columns gave other bits (LLVM optimizes each its way).
+                t = 0
+                while t < n:
+                    if t < m:  # a stored column, paired with the next where both count
+                        keys, r = k, base + lo + t
+                        pair = t + 1 < m and bias[br, lo + t] != MASKED and bias[br, lo + t + 1] != MASKED
+                    else:  # the step's new row
+                        keys, r = new_k[b], h
+                        pair = False
+                    if not pair and bias[br, lo + t] == MASKED:  # a hidden column: its key is not read
+                        for g in range(group):
+                            scores[g, t] = MASKED
+                        t += 1
+                        continue
+                    if pair and t + ATTENTION_AHEAD + 1 < m:
                         for i in range(0, d, LINE_FLOATS):
                             prefetch.line(k, r + ATTENTION_AHEAD, i)
                             prefetch.line(k, r + ATTENTION_AHEAD + 1, i)
-                    for g in range(group):  # two visible columns
+                    r1 = r + 1 if pair else r
+                    g = 0
+                    while g + 1 < group:  # two query rows at a time: each key element loaded once for both
+                        s00, s01 = np.float32(0.0), np.float32(0.0)
+                        s10, s11 = np.float32(0.0), np.float32(0.0)
+                        for i in range(d):
+                            x0, x1 = q[b, h, g, i], q[b, h, g + 1, i]
+                            k0, k1 = keys[r, i], keys[r1, i]
+                            s00 += x0 * k0
+                            s01 += x0 * k1
+                            s10 += x1 * k0
+                            s11 += x1 * k1
+                        scores[g, t] = s00 + bias[br, lo + t]
+                        scores[g + 1, t] = s10 + bias[br, lo + t]
+                        if pair:
+                            scores[g, t + 1] = s01 + bias[br, lo + t + 1]
+                            scores[g + 1, t + 1] = s11 + bias[br, lo + t + 1]
+                        g += 2
+                    while g < group:  # a row alone (an odd last one, or every one of short rows)
                         this_total, next_total = np.float32(0.0), np.float32(0.0)
                         for i in range(d):
                             x = q[b, h, g, i]
-                            this_total += x * k[r, i]
-                            next_total += x * k[r + 1, i]
+                            this_total += x * keys[r, i]
+                            next_total += x * keys[r1, i]
                         scores[g, t] = this_total + bias[br, lo + t]
-                        scores[g, t + 1] = next_total + bias[br, lo + t + 1]
-                    t += 2
-                    continue
-                if bias[br, lo + t] == MASKED:  # a hidden column: its key is not read
-                    for g in range(group):
-                        scores[g, t] = MASKED
-                else:
+                        if pair:
+                            scores[g, t + 1] = next_total + bias[br, lo + t + 1]
+                        g += 1
+                    t += 2 if pair else 1
+            else:  # short rows: a row at a time, a lone column by its own loop (the same bits)
+                t = 0
+                while t < m:
+                    r = base + lo + t
+                    if t + 1 < m and bias[br, lo + t] != MASKED and bias[br, lo + t + 1] != MASKED:
+                        if t + ATTENTION_AHEAD + 1 < m:
+                            for i in range(0, d, LINE_FLOATS):
+                                prefetch.line(k, r + ATTENTION_AHEAD, i)
+                                prefetch.line(k, r + ATTENTION_AHEAD + 1, i)
+                        for g in range(group):  # two visible columns
+                            this_total, next_total = np.float32(0.0), np.float32(0.0)
+                            for i in range(d):
+                                x = q[b, h, g, i]
+                                this_total += x * k[r, i]
+                                next_total += x * k[r + 1, i]
+                            scores[g, t] = this_total + bias[br, lo + t]
+                            scores[g, t + 1] = next_total + bias[br, lo + t + 1]
+                        t += 2
+                        continue
+                    if bias[br, lo + t] == MASKED:  # a hidden column: its key is not read
+                        for g in range(group):
+                            scores[g, t] = MASKED
+                    else:
+                        for g in range(group):
+                            total = np.float32(0.0)
+                            for i in range(d):
+                                total += q[b, h, g, i] * k[r, i]
+                            scores[g, t] = total + bias[br, lo + t]
+                    t += 1
+                for t in range(m, n):
                     for g in range(group):
                         total = np.float32(0.0)
                         for i in range(d):
-                            total += q[b, h, g, i] * k[r, i]
+                            total += q[b, h, g, i] * new_k[b, h, i]
                         scores[g, t] = total + bias[br, lo + t]
-                t += 1
-            for t in range(m, n):
-                for g in range(group):
-                    total = np.float32(0.0)
-                    for i in range(d):
-                        total += q[b, h, g, i] * new_k[b, h, i]
-                    scores[g, t] = total + bias[br, lo + t]
             powers = np.empty(max(n, 1), dtype=np.int32)  # 2**k of each weight's exp, as fp32 bits
             for g in range(group):
                 top = MASKED
@@ -335,34 +403,76 @@ def _attention_kernel() -> Any:
                 tops[head, part, g] = top
                 sums[head, part, g] = denominator
             acc = np.zeros((group, dv), dtype=np.float32)
-            t = 0
-            while t < m:
-                r = base + lo + t
-                if t + ATTENTION_AHEAD + 1 < m:
-                    for i in range(0, dv, LINE_FLOATS):
-                        prefetch.line(v, r + ATTENTION_AHEAD, i)
-                        prefetch.line(v, r + ATTENTION_AHEAD + 1, i)
-                # two columns the first query row weighs (every row's weight of a hidden column is 0,
-                # and a visible column's value is finite, so another row's 0 adds nothing)
-                if t + 1 < m and scores[0, t] != 0.0 and scores[0, t + 1] != 0.0:
-                    for g in range(group):
-                        this_weight, next_weight = scores[g, t], scores[g, t + 1]
+            if paired_rows:
+                # Likewise one loop body weighs every value: a lone column goes with itself at weight 0
+                # (its value is finite: some row weighs it).
+                t = 0
+                while t < n:
+                    if t < m:  # two columns the first query row weighs (every row's weight of a hidden
+                        # column is 0, and a visible column's value is finite, so another row's 0 adds nothing)
+                        values, r = v, base + lo + t
+                        pair = t + 1 < m and scores[0, t] != 0.0 and scores[0, t + 1] != 0.0
+                    else:  # the step's new row
+                        values, r = new_v[b], h
+                        pair = False
+                    if pair and t + ATTENTION_AHEAD + 1 < m:
+                        for i in range(0, dv, LINE_FLOATS):
+                            prefetch.line(v, r + ATTENTION_AHEAD, i)
+                            prefetch.line(v, r + ATTENTION_AHEAD + 1, i)
+                    if not pair:
+                        weighed = False
+                        for g in range(group):
+                            weighed = weighed or scores[g, t] != 0.0
+                        if not weighed:  # a hidden column: adding 0 changes no sum, so its value is not read
+                            t += 1
+                            continue
+                    r1 = r + 1 if pair else r
+                    g = 0
+                    while g + 1 < group:  # two query rows at a time: each value element loaded once for both
+                        w00, w10 = scores[g, t], scores[g + 1, t]
+                        w01 = scores[g, t + 1] if pair else np.float32(0.0)
+                        w11 = scores[g + 1, t + 1] if pair else np.float32(0.0)
                         for i in range(dv):
-                            acc[g, i] += this_weight * v[r, i] + next_weight * v[r + 1, i]
-                    t += 2
-                    continue
-                for g in range(group):
-                    p = scores[g, t]
-                    if p == 0.0:  # a hidden column's weight: adding 0 changes no sum, so skip its value
+                            v0, v1 = values[r, i], values[r1, i]
+                            acc[g, i] += w00 * v0 + w01 * v1
+                            acc[g + 1, i] += w10 * v0 + w11 * v1
+                        g += 2
+                    while g < group:  # a row alone
+                        this_weight = scores[g, t]
+                        next_weight = scores[g, t + 1] if pair else np.float32(0.0)
+                        for i in range(dv):
+                            acc[g, i] += this_weight * values[r, i] + next_weight * values[r1, i]
+                        g += 1
+                    t += 2 if pair else 1
+            else:
+                t = 0
+                while t < m:
+                    r = base + lo + t
+                    if t + ATTENTION_AHEAD + 1 < m:
+                        for i in range(0, dv, LINE_FLOATS):
+                            prefetch.line(v, r + ATTENTION_AHEAD, i)
+                            prefetch.line(v, r + ATTENTION_AHEAD + 1, i)
+                    # two columns the first query row weighs (every row's weight of a hidden column is 0,
+                    # and a visible column's value is finite, so another row's 0 adds nothing)
+                    if t + 1 < m and scores[0, t] != 0.0 and scores[0, t + 1] != 0.0:
+                        for g in range(group):
+                            this_weight, next_weight = scores[g, t], scores[g, t + 1]
+                            for i in range(dv):
+                                acc[g, i] += this_weight * v[r, i] + next_weight * v[r + 1, i]
+                        t += 2
                         continue
-                    for i in range(dv):
-                        acc[g, i] += p * v[r, i]
-                t += 1
-            for t in range(m, n):
-                for g in range(group):
-                    p = scores[g, t]
-                    for i in range(dv):
-                        acc[g, i] += p * new_v[b, h, i]
+                    for g in range(group):
+                        p = scores[g, t]
+                        if p == 0.0:  # a hidden column's weight: adding 0 changes no sum, so skip its value
+                            continue
+                        for i in range(dv):
+                            acc[g, i] += p * v[r, i]
+                    t += 1
+                for t in range(m, n):
+                    for g in range(group):
+                        p = scores[g, t]
+                        for i in range(dv):
+                            acc[g, i] += p * new_v[b, h, i]
             if splits == 1:  # nothing to merge: normalize into the output at once
                 for g in range(group):
                     total = sums[head, 0, g]  # 0 only for a row that sees no column: zeros
