@@ -77,8 +77,11 @@ def compile_in_child(model: str | Path, fingerprint: str, progress: bool = True)
     if done.returncode != 0:
         log.warning("compiling kvshelf's loops in a child process failed; compiling here:\n%s", done.stderr[-2000:])
         return False
-    stamp.parent.mkdir(parents=True, exist_ok=True)
-    stamp.touch()
+    try:
+        stamp.parent.mkdir(parents=True, exist_ok=True)
+        stamp.touch()
+    except OSError as exc:  # the next engine runs the child again, which then only loads the loops
+        log.warning("could not write %s (%s): the next engine will run the warm-up again", stamp, exc)
     return True
 
 
