@@ -1,0 +1,384 @@
+"""What bounds decode attention here: the bytes it reads, or its loops' arithmetic?
+
+Issue 14's remaining decode goals (batch 8 at 5x batch 1's tokens/s, the 30-layer llama
+at 16K within 1.4x of the floor) wait on attention, which grows with the batch and the
+context. Two ways forward were on the table: read fewer bytes (the Q4 blocks in place,
+4 bits an element against the working set's 32) or make the loops faster. This measures,
+side by side in one run, for the embedded Gemma 3's heads (4 query heads on 1 KV head of
+256) and the llama's (9 on 3 of 64), every layer at the full context:
+
+- ``hot`` / ``cold``: ``kvshelf.model.native_ops.attend`` (the default kernels' decode
+  attention) over one layer's K/V every time, which stays in the last-level cache, and
+  over every layer's own, which comes from memory. If the loops ran at memory's pace,
+  hot would be much faster than cold;
+- ``scores_rows`` / ``scores_tiles``: the scores alone, with keys as the working set lays
+  them out (a row per column: each score ends in a horizontal sum of a vector), and with
+  keys in tiles of 16 columns laid out dimension by dimension (the sums run down the
+  lanes, none across them);
+- ``q4_in_place``: whole attention reading Q4 rows in place (4-bit codes, keys' per-channel
+  scales for each block of 64 rows folded into the query, values' scales per row and group
+  of 64, the values' rotation undone once per head), a row unpacked at a time, checked
+  against ``attend`` over the same rows dequantized.
+
+These are measuring kernels, not kvshelf's: they say what a change of layout would buy
+before the working set is rebuilt around one.
+
+    python benchmarks/attention_bounds.py [--repeats 15]
+
+Run it under the benchmark lock; it writes ``results/attention-bounds-*.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import kvshelf  # noqa: F401  (preloads OpenBLAS, which must come before mlx)
+
+# isort: split
+import numpy as np
+from common import write_json
+
+from kvbench.decode_steps import bandwidth, describe_bandwidth
+from kvshelf.model import native_ops, vector_exp
+from kvshelf.model.jit import njit, prange
+
+F32 = np.float32
+BLOCK = 64  # rows of a key block (per-channel scales) and elements of a value group (per-row scales)
+TILE = 16  # key columns a tile holds, one vector's lanes
+
+# (model, query heads, KV heads, head dim, layers, batch, context)
+CASES = (
+    ("embedded", 4, 1, 256, 18, 1, 1024),
+    ("embedded", 4, 1, 256, 18, 4, 1024),
+    ("embedded", 4, 1, 256, 18, 8, 1024),
+    ("embedded", 4, 1, 256, 18, 1, 16384),
+    ("llama30", 9, 3, 64, 30, 1, 1024),
+    ("llama30", 9, 3, 64, 30, 4, 1024),
+    ("llama30", 9, 3, 64, 30, 1, 16384),
+)
+
+
+@njit(parallel=True, fastmath=True, boundscheck=False)
+def scores_rows(q: Any, k: Any, out: Any) -> None:
+    """Scores with keys a row per column (heads x width x d), two columns at a time, as
+    ``native_ops``'s loop for short heads reads them: each sum ends across a vector."""
+    heads, group, d = q.shape
+    width = k.shape[1]
+    half = width // 2
+    for job in prange(heads * 2):
+        h = job // 2
+        lo = (job % 2) * half
+        for t in range(lo, lo + half, 2):
+            for g in range(group):
+                s0, s1 = F32(0.0), F32(0.0)
+                for i in range(d):
+                    s0 += q[h, g, i] * k[h, t, i]
+                    s1 += q[h, g, i] * k[h, t + 1, i]
+                out[h, g, t] = s0
+                out[h, g, t + 1] = s1
+
+
+@njit(parallel=True, fastmath=True, boundscheck=False)
+def scores_tiles(q: Any, kt: Any, out: Any) -> None:
+    """Scores with keys in tiles (heads x tiles x d x TILE): four query rows against a tile's
+    columns at once, the sums down the lanes."""
+    heads, group, d = q.shape
+    tiles = kt.shape[1]
+    half = tiles // 2
+    for job in prange(heads * 2):
+        h = job // 2
+        lo = (job % 2) * half
+        s = np.zeros((4, TILE), dtype=F32)
+        for tile in range(lo, lo + half):
+            for g0 in range(0, group, 4):
+                rows = min(4, group - g0)
+                s[:] = 0.0
+                for i in range(d):
+                    x0 = q[h, g0, i]
+                    x1 = q[h, g0 + 1, i] if rows > 1 else F32(0.0)
+                    x2 = q[h, g0 + 2, i] if rows > 2 else F32(0.0)
+                    x3 = q[h, g0 + 3, i] if rows > 3 else F32(0.0)
+                    for c in range(TILE):
+                        key = kt[h, tile, i, c]
+                        s[0, c] += x0 * key
+                        s[1, c] += x1 * key
+                        s[2, c] += x2 * key
+                        s[3, c] += x3 * key
+                for g in range(rows):
+                    for c in range(TILE):
+                        out[h, g0 + g, tile * TILE + c] = s[g, c]
+
+
+@njit(parallel=True, fastmath=True, boundscheck=False)
+def q4_in_place(q: Any, kc: Any, ks: Any, kz: Any, vc: Any, vs: Any, vz: Any, splits: int, out: Any) -> None:
+    """Decode attention over Q4 rows read in place, ``splits`` column ranges per head.
+
+    q (batch, kv, group, d), scaled; kc/vc (heads * width, d // 2) uint8, two elements a
+    byte (low nibble first); ks/kz (heads * width // BLOCK, d): a key block's scale and
+    offset per channel; vs/vz (heads * width, d // BLOCK): a value row's per group. A key
+    block's scales go into the query once (q * scale, and q . offset added to each score);
+    a value row's scale into its weight. The values are rotated (Hadamard, groups of 64):
+    the weighted sum is taken rotated and turned back once per head."""
+    batch, kv, group, d = q.shape
+    half_d = d // 2
+    width = kc.shape[0] // (batch * kv)
+    span = -(-width // splits)
+    tops = np.empty((batch * kv, splits, group), dtype=F32)
+    sums = np.empty((batch * kv, splits, group), dtype=F32)
+    parts = np.empty((batch * kv, splits, group, d), dtype=F32)
+    for job in prange(batch * kv * splits):
+        head = job // splits
+        part = job - head * splits
+        b = head // kv
+        h = head - b * kv
+        lo = part * span
+        n = min(width, lo + span) - lo
+        base = head * width
+        scores = np.empty((group, n), dtype=F32)
+        powers = np.empty(n, dtype=np.int32)
+        q_even = np.empty((group, half_d), dtype=F32)
+        q_odd = np.empty((group, half_d), dtype=F32)
+        offsets = np.empty(group, dtype=F32)
+        low = np.empty(half_d, dtype=F32)
+        high = np.empty(half_d, dtype=F32)
+        t = 0
+        while t < n:  # a key block at a time: its scales folded into the query
+            block = (base + lo + t) // BLOCK
+            stop = min(n, (block + 1) * BLOCK - base - lo)
+            for g in range(group):
+                c = F32(0.0)
+                for j in range(half_d):
+                    q_even[g, j] = q[b, h, g, 2 * j] * ks[block, 2 * j]
+                    q_odd[g, j] = q[b, h, g, 2 * j + 1] * ks[block, 2 * j + 1]
+                    c += q[b, h, g, 2 * j] * kz[block, 2 * j] + q[b, h, g, 2 * j + 1] * kz[block, 2 * j + 1]
+                offsets[g] = c
+            for u in range(t, stop):
+                r = base + lo + u
+                for j in range(half_d):
+                    x = np.int32(kc[r, j])
+                    low[j] = F32(x & 15)
+                    high[j] = F32(x >> 4)
+                for g in range(group):
+                    s = F32(0.0)
+                    for j in range(half_d):
+                        s += q_even[g, j] * low[j] + q_odd[g, j] * high[j]
+                    scores[g, u] = s + offsets[g]
+            t = stop
+        for g in range(group):
+            top = F32(-3.0e38)
+            for u in range(n):
+                top = max(top, scores[g, u])
+            for u in range(n):
+                e, powers[u] = vector_exp.parts(max(scores[g, u] - top, vector_exp.FLOOR))
+                scores[g, u] = e
+            scales = powers.view(F32)
+            total = F32(0.0)
+            for u in range(n):
+                e = scores[g, u] * scales[u]
+                scores[g, u] = e
+                total += e
+            tops[head, part, g] = top
+            sums[head, part, g] = total
+        acc_even = np.zeros((group, half_d), dtype=F32)
+        acc_odd = np.zeros((group, half_d), dtype=F32)
+        shifts = np.zeros((group, d // BLOCK), dtype=F32)
+        for u in range(n):
+            r = base + lo + u
+            for j in range(half_d):
+                x = np.int32(vc[r, j])
+                low[j] = F32(x & 15)
+                high[j] = F32(x >> 4)
+            for g in range(group):
+                w = scores[g, u]
+                for grp in range(d // BLOCK):
+                    a = w * vs[r, grp]
+                    shifts[g, grp] += w * vz[r, grp]
+                    for j in range(grp * BLOCK // 2, (grp + 1) * BLOCK // 2):
+                        acc_even[g, j] += a * low[j]
+                        acc_odd[g, j] += a * high[j]
+        for g in range(group):
+            for j in range(half_d):
+                parts[head, part, g, 2 * j] = acc_even[g, j] + shifts[g, 2 * j // BLOCK]
+                parts[head, part, g, 2 * j + 1] = acc_odd[g, j] + shifts[g, 2 * j // BLOCK]
+    for head in prange(batch * kv):
+        b = head // kv
+        h = head - b * kv
+        for g in range(group):
+            top = F32(-3.0e38)
+            for part in range(splits):
+                top = max(top, tops[head, part, g])
+            total = F32(0.0)
+            out[b, h, g, :] = 0.0
+            for part in range(splits):
+                w = np.exp(tops[head, part, g] - top)
+                total += w * sums[head, part, g]
+                for i in range(d):
+                    out[b, h, g, i] += w * parts[head, part, g, i]
+            for i in range(d):
+                out[b, h, g, i] /= total
+            for grp in range(d // BLOCK):  # the rotation undone: a normalized Hadamard is its own inverse
+                step = 1
+                while step < BLOCK:
+                    for i0 in range(grp * BLOCK, (grp + 1) * BLOCK, 2 * step):
+                        for i in range(i0, i0 + step):
+                            x0, x1 = out[b, h, g, i], out[b, h, g, i + step]
+                            out[b, h, g, i] = x0 + x1
+                            out[b, h, g, i + step] = x0 - x1
+                    step *= 2
+                for i in range(grp * BLOCK, (grp + 1) * BLOCK):
+                    out[b, h, g, i] *= F32(BLOCK**-0.5)
+
+
+@njit(parallel=True, fastmath=True, boundscheck=False)
+def _parallel_sum(x: Any) -> Any:
+    total = F32(0.0)
+    for i in prange(x.shape[0]):
+        total += x[i]
+    return total
+
+
+def parallel_read_gbs(megabytes: int = 512, repeats: int = 15) -> float:
+    """The best pass of a plain sum on every core over ``megabytes``: numpy's sum (the
+    floor of ``kvbench.decode_steps.bandwidth`` without a model) reads on one core only."""
+    x = np.ones(megabytes * 2**20 // 4, dtype=F32)
+    _parallel_sum(x)
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        _parallel_sum(x)
+        best = min(best, time.perf_counter() - t)
+    return x.nbytes / best / 1e9
+
+
+def _hadamard(n: int) -> np.ndarray:
+    """The normalized Sylvester Hadamard matrix, the order the butterflies above take."""
+    m = np.ones((1, 1), dtype=F32)
+    while m.shape[0] < n:
+        m = np.block([[m, m], [m, -m]])
+    return (m / np.sqrt(n)).astype(F32)
+
+
+class Layer:
+    """One layer's K/V for a batch: Q4 codes and scales, and the same rows dequantized."""
+
+    def __init__(self, rng: np.random.Generator, batch: int, kv: int, d: int, width: int):
+        rows = batch * kv * width
+        self.kc = rng.integers(0, 256, (rows, d // 2), dtype=np.uint8)
+        self.vc = rng.integers(0, 256, (rows, d // 2), dtype=np.uint8)
+        self.ks = (rng.random((rows // BLOCK, d), dtype=F32) * F32(0.2)).astype(F32)
+        self.kz = (-self.ks * F32(7.5)).astype(F32)
+        self.vs = (rng.random((rows, d // BLOCK), dtype=F32) * F32(0.2)).astype(F32)
+        self.vz = (-self.vs * F32(7.5)).astype(F32)
+        codes = lambda c: np.stack([c & 15, c >> 4], axis=-1).reshape(rows, d).astype(F32)  # noqa: E731
+        k = codes(self.kc) * np.repeat(self.ks, BLOCK, axis=0) + np.repeat(self.kz, BLOCK, axis=0)
+        v_rotated = codes(self.vc) * np.repeat(self.vs, BLOCK, axis=1) + np.repeat(self.vz, BLOCK, axis=1)
+        v = (v_rotated.reshape(rows, d // BLOCK, BLOCK) @ _hadamard(BLOCK)).reshape(rows, d)
+        self.k = k.reshape(batch, kv, width, d).astype(F32)
+        self.v = v.reshape(batch, kv, width, d).astype(F32)
+        heads_k = self.k.reshape(batch * kv, width, d)
+        self.k_tiles = np.ascontiguousarray(heads_k.reshape(batch * kv, width // TILE, TILE, d).transpose(0, 1, 3, 2))
+
+    @property
+    def dense_bytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes
+
+    @property
+    def q4_bytes(self) -> int:
+        return sum(x.nbytes for x in (self.kc, self.vc, self.ks, self.kz, self.vs, self.vz))
+
+
+def case(heads: int, kv: int, d: int, layers: int, batch: int, context: int, repeats: int) -> dict[str, Any]:
+    rng = np.random.default_rng(batch * 1000 + context)
+    stack = [Layer(rng, batch, kv, d, context) for _ in range(layers)]
+    q = rng.standard_normal((batch, heads, d), dtype=F32)
+    scale = d**-0.5
+    grouped = np.ascontiguousarray((q * F32(scale)).reshape(batch, kv, heads // kv, d))
+    per_head = grouped.reshape(batch * kv, heads // kv, d)
+    splits = native_ops.column_splits(batch * kv, context)
+    out = np.empty_like(grouped)
+    s_rows = np.empty((batch * kv, heads // kv, context), dtype=F32)
+    s_tiles = np.empty_like(s_rows)
+
+    def timed(fn: Callable[[Layer], Any], layers_read: list[Layer]) -> Callable[[], float]:
+        def run() -> float:
+            t = time.perf_counter()
+            for layer in layers_read:
+                fn(layer)
+            return (time.perf_counter() - t) * 1e3
+
+        return run
+
+    variants = {
+        "hot": timed(lambda x: native_ops.attend(q, x.k, x.v, None, scale), [stack[0]] * layers),
+        "cold": timed(lambda x: native_ops.attend(q, x.k, x.v, None, scale), stack),
+        "scores_rows": timed(lambda x: scores_rows(per_head, x.k.reshape(batch * kv, context, d), s_rows), stack),
+        "scores_tiles": timed(lambda x: scores_tiles(per_head, x.k_tiles, s_tiles), stack),
+        "q4_in_place": timed(lambda x: q4_in_place(grouped, x.kc, x.ks, x.kz, x.vc, x.vs, x.vz, splits, out), stack),
+    }
+    first = stack[0]
+    dense = native_ops.attend(q, first.k, first.v, None, scale)
+    q4_in_place(grouped, first.kc, first.ks, first.kz, first.vc, first.vs, first.vz, splits, out)
+    scores_rows(per_head, first.k.reshape(batch * kv, context, d), s_rows)
+    scores_tiles(per_head, first.k_tiles, s_tiles)
+    q4_difference = float(np.abs(out.reshape(dense.shape) - dense).max())
+    tiles_difference = float(np.abs(s_rows - s_tiles).max())
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    for r in range(repeats + 2):
+        for name, run in variants.items():
+            t = run()
+            if r >= 2:
+                times[name].append(t)
+    dense_mb = sum(x.dense_bytes for x in stack) / 1e6
+    key_mb = sum(x.k.nbytes for x in stack) / 1e6
+    q4_mb = sum(x.q4_bytes for x in stack) / 1e6
+    ms = {name: round(statistics.median(t), 2) for name, t in times.items()}
+    read_mb = {"hot": dense_mb, "cold": dense_mb, "scores_rows": key_mb, "scores_tiles": key_mb, "q4_in_place": q4_mb}
+    return {
+        "ms": ms,
+        "mb_read": {k: round(v, 1) for k, v in read_mb.items()},
+        # hot reads one layer's rows again and again: its figure is the rate the loops take them at
+        "gbs_of_rows": {k: round(read_mb[k] / 1e3 / (ms[k] / 1e3), 1) for k in ms},
+        "layer_mb": round(first.dense_bytes / 1e6, 1),
+        "q4_in_place_max_abs_difference": q4_difference,
+        "scores_tiles_max_abs_difference": tiles_difference,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repeats", type=int, default=15)
+    args = parser.parse_args()
+    load_start = list(os.getloadavg())
+    bw = bandwidth(megabytes=512)
+    gbs = max(bw["gbs"], parallel_read_gbs())
+    print(f"load average {load_start}; {describe_bandwidth(bw)}; a parallel sum's best {gbs:.1f} GB/s")
+    rows = []
+    for name, heads, kv, d, layers, batch, context in CASES:
+        row: dict[str, Any] = {"model": name, "layers": layers, "batch": batch, "context": context}
+        row.update(case(heads, kv, d, layers, batch, context, args.repeats))
+        row["cold_floor_ms"] = round(row["mb_read"]["cold"] / 1e3 / gbs * 1e3, 2)
+        rows.append(row)
+        ms, rate = row["ms"], row["gbs_of_rows"]
+        print(
+            f"{name} batch {batch} at {context} (a layer {row['layer_mb']} MB): attend hot {ms['hot']} ms "
+            f"({rate['hot']} GB/s of rows), cold {ms['cold']} ({rate['cold']}; the floor {row['cold_floor_ms']}); "
+            f"scores rows {ms['scores_rows']} ({rate['scores_rows']}), tiles {ms['scores_tiles']} "
+            f"({rate['scores_tiles']}); Q4 in place "
+            f"{ms['q4_in_place']} ms ({row['mb_read']['q4_in_place']} MB; max |diff| "
+            f"{row['q4_in_place_max_abs_difference']:.1e})",
+            flush=True,
+        )
+    load_end = list(os.getloadavg())
+    print(f"load average at end {load_end}")
+    loads = {"load_average_at_start": load_start, "load_average_at_end": load_end}
+    out = write_json("attention-bounds", {"bandwidth": bw, "read_gbs": round(gbs, 1), **loads, "rows": rows})
+    print("wrote", out)
+
+
+if __name__ == "__main__":
+    main()
