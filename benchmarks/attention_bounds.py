@@ -63,17 +63,23 @@ CASES = (
 )
 
 
+@njit
+def _half(job: int, n: int) -> tuple[int, int, int]:
+    """Job ``job``'s head and its half of ``n`` columns (or tiles): a head's two halves
+    go to the two cores."""
+    half = n // 2
+    lo = (job % 2) * half
+    return job // 2, lo, lo + half
+
+
 @njit(parallel=True, fastmath=True, boundscheck=False)
 def scores_rows(q: Any, k: Any, out: Any) -> None:
     """Scores with keys a row per column (heads x width x d), two columns at a time, as
     ``native_ops``'s loop for short heads reads them: each sum ends across a vector."""
     heads, group, d = q.shape
-    width = k.shape[1]
-    half = width // 2
     for job in prange(heads * 2):
-        h = job // 2
-        lo = (job % 2) * half
-        for t in range(lo, lo + half, 2):
+        h, lo, hi = _half(job, k.shape[1])
+        for t in range(lo, hi, 2):
             for g in range(group):
                 s0, s1 = F32(0.0), F32(0.0)
                 for i in range(d):
@@ -88,13 +94,10 @@ def scores_tiles(q: Any, kt: Any, out: Any) -> None:
     """Scores with keys in tiles (heads x tiles x d x TILE): four query rows against a tile's
     columns at once, the sums down the lanes."""
     heads, group, d = q.shape
-    tiles = kt.shape[1]
-    half = tiles // 2
     for job in prange(heads * 2):
-        h = job // 2
-        lo = (job % 2) * half
+        h, lo, hi = _half(job, kt.shape[1])
         s = np.zeros((4, TILE), dtype=F32)
-        for tile in range(lo, lo + half):
+        for tile in range(lo, hi):
             for g0 in range(0, group, 4):
                 rows = min(4, group - g0)
                 s[:] = 0.0
@@ -112,6 +115,15 @@ def scores_tiles(q: Any, kt: Any, out: Any) -> None:
                 for g in range(rows):
                     for c in range(TILE):
                         out[h, g0 + g, tile * TILE + c] = s[g, c]
+
+
+@njit(fastmath=True, boundscheck=False)
+def _unpack(codes: Any, r: int, low: Any, high: Any) -> None:
+    """Row ``r``'s 4-bit codes as floats: the even elements (low nibbles) and the odd."""
+    for j in range(low.shape[0]):
+        x = np.int32(codes[r, j])
+        low[j] = F32(x & 15)
+        high[j] = F32(x >> 4)
 
 
 @njit(parallel=True, fastmath=True, boundscheck=False)
@@ -159,10 +171,7 @@ def q4_in_place(q: Any, kc: Any, ks: Any, kz: Any, vc: Any, vs: Any, vz: Any, sp
                 offsets[g] = c
             for u in range(t, stop):
                 r = base + lo + u
-                for j in range(half_d):
-                    x = np.int32(kc[r, j])
-                    low[j] = F32(x & 15)
-                    high[j] = F32(x >> 4)
+                _unpack(kc, r, low, high)
                 for g in range(group):
                     s = F32(0.0)
                     for j in range(half_d):
@@ -189,10 +198,7 @@ def q4_in_place(q: Any, kc: Any, ks: Any, kz: Any, vc: Any, vs: Any, vz: Any, sp
         shifts = np.zeros((group, d // BLOCK), dtype=F32)
         for u in range(n):
             r = base + lo + u
-            for j in range(half_d):
-                x = np.int32(vc[r, j])
-                low[j] = F32(x & 15)
-                high[j] = F32(x >> 4)
+            _unpack(vc, r, low, high)
             for g in range(group):
                 w = scores[g, u]
                 for grp in range(d // BLOCK):
@@ -349,18 +355,23 @@ def case(heads: int, kv: int, d: int, layers: int, batch: int, context: int, rep
     }
 
 
+def read_rate() -> tuple[dict[str, Any], float]:
+    """The run's bandwidth readings, and the best of them and a parallel sum's (GB/s)."""
+    bw = bandwidth(megabytes=512)
+    return bw, max(bw["gbs"], parallel_read_gbs())
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--repeats", type=int, default=15)
-    args = parser.parse_args()
+    parser.add_argument("--repeats", type=int, default=15, help="timed rounds a case")
     load_start = list(os.getloadavg())
-    bw = bandwidth(megabytes=512)
-    gbs = max(bw["gbs"], parallel_read_gbs())
+    bw, gbs = read_rate()
     print(f"load average {load_start}; {describe_bandwidth(bw)}; a parallel sum's best {gbs:.1f} GB/s")
+    repeats = parser.parse_args().repeats
     rows = []
     for name, heads, kv, d, layers, batch, context in CASES:
         row: dict[str, Any] = {"model": name, "layers": layers, "batch": batch, "context": context}
-        row.update(case(heads, kv, d, layers, batch, context, args.repeats))
+        row.update(case(heads, kv, d, layers, batch, context, repeats))
         row["cold_floor_ms"] = round(row["mb_read"]["cold"] / 1e3 / gbs * 1e3, 2)
         rows.append(row)
         ms, rate = row["ms"], row["gbs_of_rows"]
