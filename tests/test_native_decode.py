@@ -36,8 +36,9 @@ from kvshelf.model.native_ops import (
 )
 from kvshelf.model.skinny import MAX_LAYER_ROWS
 from tests.support.agents import prefilled
+from tests.support.tiny import VOCAB, make_tiny_model_dir
 
-KINDS = ["llama", "gemma3_text"]
+KINDS = ["llama", "gemma3_text", "deepseek_v2"]
 # A dense scheme with rotated keys and fp16 sinks beside the default (KIVI keys, rotated values).
 DENSE_SCHEMES = [DEFAULT_SCHEME, "q4-g64-rot-sink4"]
 STEPS = 30
@@ -47,7 +48,7 @@ STEP_TOLERANCE = 1e-4
 
 @pytest.fixture(scope="module")
 def models(tiny_dirs):
-    return {kind: load(tiny_dirs[kind], progress=False) for kind in [*KINDS, "deepseek_v2"]}
+    return {kind: load(tiny_dirs[kind], progress=False) for kind in KINDS}
 
 
 def close(got: np.ndarray, want: np.ndarray, tolerance: float) -> bool:
@@ -217,8 +218,13 @@ def test_the_native_step_is_built_and_its_probe_rejects_a_wrong_step(models, kin
     assert wrong is not None and wrong is not forward.native
     wrong.layers[0].rope.scale *= 1.5  # a RoPE that rotates by the wrong angles
     assert probe_gap(loaded.model, wrong, loaded.model.model) > 100 * PROBE_TOLERANCE
-    # the shape-invariant kernels (temperature 0) get their own, exact one; an opt-out keeps the module path
-    assert not forward.native.exact and loaded.greedy_forward.native.exact
+    # the shape-invariant kernels (temperature 0) get their own, exact one (DeepSeek-V2's latent
+    # attention keeps the module path there); an opt-out keeps the module path
+    assert not forward.native.exact
+    if kind == "deepseek_v2":
+        assert loaded.greedy_forward.native is None
+    else:
+        assert loaded.greedy_forward.native.exact
     assert with_fast_linears(loaded.model, native=False).native is None
 
 
@@ -314,7 +320,7 @@ def test_a_restored_agent_continues_bit_identically(models, kind):
         ta, tb = int(ra.argmax()), int(rb.argmax())
 
 
-def test_it_steps_aside_for_calls_it_does_not_run(models):
+def test_it_steps_aside_for_calls_it_does_not_run(models, tmp_path):
     loaded = models["llama"]
     native = loaded.forward.native
     assert native is not None
@@ -330,7 +336,11 @@ def test_it_steps_aside_for_calls_it_does_not_run(models):
     # the forward still runs them, through the module path
     got = logits(loaded.forward, [packed], [1], packed.layers)
     assert got.shape == (1, loaded.model.model.embed_tokens.weight.shape[0])
-    assert getattr(models["deepseek_v2"].forward, "native", None) is None  # an architecture it does not know
+    # a layer it does not mirror: DeepSeek-V2 with routed experts keeps the module path
+    experts = make_tiny_model_dir(tmp_path / "moe", "deepseek_v2", n_routed_experts=4, num_experts_per_tok=2)
+    moe = load(experts, progress=False)
+    assert getattr(moe.forward, "native", None) is None
+    assert logits(moe.forward, [], [1], None).shape == (1, VOCAB)
 
 
 def test_the_embedded_model_runs_the_native_step(embedded_loaded):

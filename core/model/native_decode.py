@@ -16,9 +16,10 @@ one MLX evaluation a step instead of one a layer (``defer_updates``).
 Other caches keep one update and evaluation per layer. The head is the caller's
 (``kvshelf.model.head.ProjectedModel``).
 
-Which models: mlx-lm's Gemma 3 text model and its llama family (Llama, SmolLM2, ...), fp32
-on the CPU, plain bias-free projections, ``nn.RoPE`` or ``Llama3RoPE``; anything else is
-None here and keeps the module path. Which calls: decode steps of 1..``MAX_LAYER_ROWS``
+Which models: mlx-lm's Gemma 3 text model, its llama family (Llama, SmolLM2, ...) and
+DeepSeek-V2 with dense layers (latent attention; the default kernels' step only), fp32 on
+the CPU, plain bias-free projections, ``nn.RoPE``, ``Llama3RoPE`` or DeepSeek-V2's YaRN;
+anything else is None here and keeps the module path. Which calls: decode steps of 1..``MAX_LAYER_ROWS``
 agents over caches that hand over dense K/V (``dense_decode``: the KV schemes' working
 sets; plain Q4's packed rows go to ``quantized_matmul`` in the module path).
 
@@ -44,7 +45,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 from mlx_lm.models.base import create_attention_mask
-from mlx_lm.models.cache import KVCache
+from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from kvshelf.model import exact_ops, half_weights, native_ops
 from kvshelf.model.arrays import buffer_view
@@ -226,14 +227,26 @@ class NativeDecoder:
         if "q" in layer.norms:
             norm = self._ops.rms_norm
             q, k = norm(q, layer.norms["q"], self._eps), norm(k, layer.norms["k"], self._eps)
-        # Every layer of a step rotates at the same positions: each rotation's tables once a step.
+        cos, sin = self._rope_tables(layer.rope, cache, b)
+        q, k = layer.rope(q, cos, sin), layer.rope(k, cos, sin)
+        return self._attend(layer, q, k, v, mask, cache)
+
+    def _rope_tables(self, rope: Rope, cache: Any, b: int) -> tuple[np.ndarray, np.ndarray]:
+        """cos and sin at each of the ``b`` agents' positions: every layer of a step rotates at
+        the same positions, so each rotation's tables are made once a step."""
         offset = cache.offset
-        key = (layer.rope.angles_key, offset if isinstance(offset, int) else np.asarray(offset).tobytes())
+        key = (rope.angles_key, offset if isinstance(offset, int) else np.asarray(offset).tobytes())
         if key not in self._tables:
             positions = np.asarray(offset).reshape(-1)
-            self._tables[key] = self._ops.tables(layer.rope, np.repeat(positions, b // positions.size))
-        cos, sin = self._tables[key]
-        q, k = layer.rope(q, cos, sin), layer.rope(k, cos, sin)
+            self._tables[key] = self._ops.tables(rope, np.repeat(positions, b // positions.size))
+        return self._tables[key]
+
+    def _attend(
+        self, layer: NativeLayer, q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: Any, cache: Any
+    ) -> np.ndarray:
+        """The step's rotated queries (batch, heads, d) against the cache's keys and the new
+        ``k``/``v`` (batch, kv_heads, d or value dim), then the output projection."""
+        b = q.shape[0]
         if self.exact:
             out = ordered_step(q[:, :, None, :], k, v, layer.scale, mask, cache)
             return self._product(out.reshape(b, -1), layer.o)
@@ -308,6 +321,51 @@ class LlamaDecoder(NativeDecoder):
         return h + self._product(gated, layer.down)
 
 
+@dataclass
+class LatentLayer(NativeLayer):
+    """A DeepSeek-V2 layer (multi-head latent attention): ``k`` is the latent's down-projection
+    (``kv_a_proj_with_mqa``: the ``latent`` floats, then the key's RoPE part that every head
+    shares), ``v`` its up-projection (``kv_b_proj``: each head's key without RoPE, ``nope``
+    floats, and its value); ``q_a``, where the model has a query latent, goes before ``q``."""
+
+    q_a: np.ndarray | None = None
+    latent: int = 0
+    nope: int = 0
+    latent_eps: float = 1e-6
+
+
+class DeepseekV2Decoder(LlamaDecoder):
+    """mlx-lm's ``deepseek_v2`` with dense MLPs: the llama's layer (two norms, SwiGLU) around
+    latent attention. The cache gets plain per-head keys (the RoPE part repeated for every
+    head) and values, as from the module, so attention is the same as every other model's.
+    Default kernels only: temperature 0 keeps the module path (its exact operations are
+    mirrored for the llama and Gemma 3 layers, not this one)."""
+
+    kind = "deepseek_v2"
+
+    def __init__(self, body: Any, layers: list[NativeLayer], product: Gemm, eps: float):
+        NativeDecoder.__init__(self, body, layers, product, eps, None, exact=False)
+        self._full, self._swa = 0, None  # every layer attends to the whole context
+
+    def _attention(self, layer: NativeLayer, x: np.ndarray, mask: Any, cache: Any) -> np.ndarray:
+        assert isinstance(layer, LatentLayer)
+        b, heads, nope, rope = x.shape[0], layer.heads, layer.nope, layer.rope.dims
+        norm = self._ops.rms_norm
+        xq = x if layer.q_a is None else norm(self._product(x, layer.q_a), layer.norms["q_a"], layer.latent_eps)
+        q = self._product(xq, layer.q).reshape(b, heads, nope + rope)
+        down = self._product(x, layer.k)
+        latent = norm(np.ascontiguousarray(down[:, : layer.latent]), layer.norms["kv_a"], layer.latent_eps)
+        up = self._product(latent, layer.v).reshape(b, heads, -1)
+        cos, sin = self._rope_tables(layer.rope, cache, b)
+        keys = np.empty((b, heads, nope + rope), dtype=F32)
+        keys[:, :, :nope] = up[:, :, :nope]
+        keys[:, :, nope:] = layer.rope(down[:, None, layer.latent :], cos, sin)
+        queries = np.empty_like(keys)
+        queries[:, :, :nope] = q[:, :, :nope]
+        queries[:, :, nope:] = layer.rope(q[:, :, nope:], cos, sin)
+        return self._attend(layer, queries, keys, np.ascontiguousarray(up[:, :, nope:]), mask, cache)
+
+
 def _gemma3(model: nn.Module, product: Gemm, exact: bool) -> NativeDecoder | None:
     body, args, halves = model.model, model.args, takes_codes(product)
     layers = []
@@ -341,7 +399,44 @@ def _llama(model: nn.Module, product: Gemm, exact: bool) -> NativeDecoder | None
     return LlamaDecoder(body, layers, product, args.rms_norm_eps, exact)
 
 
-_ARCHITECTURES = {"mlx_lm.models.gemma3_text": _gemma3, "mlx_lm.models.llama": _llama}
+def _deepseek_v2(model: nn.Module, product: Gemm, exact: bool) -> NativeDecoder | None:
+    """Dense layers only (a routed-experts layer has no ``gate_proj``: the module path), no
+    attention biases, and the default kernels' step only."""
+    if exact:
+        return None
+    body, halves = model.model, takes_codes(product)
+    layers: list[NativeLayer] = []
+    for block in body.layers:
+        attn, mlp = block.self_attn, block.mlp
+        with_latent = attn.q_lora_rank is not None
+        parts = [attn.q_b_proj if with_latent else attn.q_proj, attn.kv_a_proj_with_mqa, attn.kv_b_proj, attn.o_proj]
+        parts += [mlp.gate_proj, mlp.up_proj, mlp.down_proj]
+        weights = [_plain_weight(m, halves) for m in parts]
+        q_a = _plain_weight(attn.q_a_proj, halves) if with_latent else None
+        rope = Rope.of(attn.rope)
+        if rope is None or any(w is None for w in weights) or (with_latent and q_a is None):
+            return None
+        q, k, v, o, gate, up, down = weights
+        assert q is not None and k is not None and v is not None and o is not None  # checked above
+        assert gate is not None and up is not None and down is not None
+        norms = {"input": block.input_layernorm, "post_attention": block.post_attention_layernorm}
+        norms |= {"kv_a": attn.kv_a_layernorm} | ({"q_a": attn.q_a_layernorm} if with_latent else {})
+        layers.append(
+            LatentLayer(
+                q, k, v, o, gate, up, down,
+                norms={name: _norm_weight(n, 0.0) for name, n in norms.items()},
+                rope=rope, heads=attn.num_heads, kv_heads=attn.num_heads, scale=float(attn.scale), sliding=False,
+                q_a=q_a, latent=attn.kv_lora_rank, nope=attn.qk_nope_head_dim, latent_eps=attn.kv_a_layernorm.eps,
+            )
+        )  # fmt: skip
+    return DeepseekV2Decoder(body, layers, product, model.args.rms_norm_eps)
+
+
+_ARCHITECTURES = {
+    "mlx_lm.models.gemma3_text": _gemma3,
+    "mlx_lm.models.llama": _llama,
+    "mlx_lm.models.deepseek_v2": _deepseek_v2,
+}
 
 
 def native_decoder(
@@ -378,7 +473,7 @@ def probe_gap(model: nn.Module, decoder: NativeDecoder, reference: Any, steps: i
     step only ever takes kvshelf's working sets."""
     vocab = model.model.embed_tokens["weight"].shape[0]
     prompt = mx.array([[(7 * i + 3) % vocab for i in range(9)], [(11 * i + 5) % vocab for i in range(9)]])
-    caches = (lambda: [KVCache() for _ in decoder.layers]) if decoder.exact else model.make_cache
+    caches = (lambda: [KVCache() for _ in decoder.layers]) if decoder.exact else (lambda: make_prompt_cache(model))
     mine, theirs = caches(), caches()
     mx.eval(reference(prompt, cache=mine), reference(prompt, cache=theirs))
     gap = 0.0

@@ -100,8 +100,8 @@ def silu_gate(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
 
 
 class Rope:
-    """``mx.fast.rope`` as an ``nn.RoPE`` (or mlx-lm's ``Llama3RoPE``, which hands it its own
-    ``freqs``) applies it: the first ``dims`` features of each head rotated by position.
+    """``mx.fast.rope`` as an ``nn.RoPE`` (or mlx-lm's ``Llama3RoPE`` and DeepSeek-V2's YaRN, which
+    hand it their own ``freqs``) applies it: the first ``dims`` features of each head rotated by position.
 
     The angles are MLX's own to the bit (its CPU rope is the fallback in mlx/fast.cpp: fp32
     inverse frequencies ``exp(-i * log(base) / (dims / 2))`` or ``1 / freqs``, times the fp32
@@ -124,6 +124,11 @@ class Rope:
             return cls(module.dims, module.traditional, np.array(inv), float(module.scale))
         if type(module).__name__ == "Llama3RoPE":  # mlx-lm's: its own frequencies, scale 1
             return cls(module.dims, bool(module.traditional), np.array(mx.reciprocal(module._freqs)), 1.0)
+        if type(module).__name__ == "DeepseekV2YarnRotaryEmbedding" and module.mscale == 1.0:
+            # mlx-lm's YaRN for DeepSeek-V2: every feature of its input, neighbours paired, its own
+            # frequencies (a magnitude factor other than 1, which would scale the input first, is not mirrored)
+            freqs = module._freqs
+            return cls(2 * freqs.size, True, np.array(mx.reciprocal(freqs)), 1.0)
         return None
 
     def angles(self, positions: np.ndarray) -> np.ndarray:
