@@ -48,7 +48,9 @@ Caches are filled with random K/V of the right shapes (timing does not depend on
 values), so a 16K context costs seconds to set up instead of minutes of prefill.
 Models: the embedded Gemma 3 270M, and a llama-family model of SmolLM2-135M's shape
 (30 thin layers, GQA) with random weights, built in memory: fp32 values (``llama30``), or
-the same rounded to bf16 (``llama30-bf16``), as a published bf16 checkpoint loads.
+the same rounded to bf16 (``llama30-bf16``), as a published bf16 checkpoint loads; and a
+DeepSeek-V2 model with DeepSeek-V2-Lite's latent attention and vocabulary in 12 dense layers
+(``deepseek12``, ``deepseek12-bf16``), random too: the three cache geometries kvshelf supports.
 
     python benchmarks/decode.py [--quick] [--models embedded,llama30] [--contexts 1024,4096,16384]
         [--batches 1,2,4,8] [--paths mlx-lm,default,q4,per-step]
@@ -116,6 +118,29 @@ LLAMA30 = dict(
     rope_theta=100000.0,
 )
 
+# DeepSeek-V2-Lite's attention (multi-head latent attention: a 512-wide KV latent, heads of
+# 128 + 64 query/key and 128 value floats, no query latent) and vocabulary, in 12 dense layers
+# of 1024 with 8 heads: about 0.36 B parameters, the third cache geometry kvshelf supports
+# (per-head keys and values of different widths, many heads, no sharing between them).
+DEEPSEEK12 = dict(
+    model_type="deepseek_v2",
+    hidden_size=1024,
+    num_hidden_layers=12,
+    intermediate_size=2816,
+    num_attention_heads=8,
+    num_key_value_heads=8,
+    kv_lora_rank=512,
+    q_lora_rank=None,
+    qk_rope_head_dim=64,
+    qk_nope_head_dim=128,
+    v_head_dim=128,
+    vocab_size=102400,
+    rms_norm_eps=1e-6,
+    max_position_embeddings=32768,
+    rope_scaling={"type": "yarn", "factor": 1.0, "original_max_position_embeddings": 32768},
+)
+RANDOM_MODELS = {"llama30": LLAMA30, "deepseek12": DEEPSEEK12}
+
 
 def build_model(name: str, huge_pages: bool = True) -> nn.Module:
     """The model, its weights in huge pages as the engine's load leaves them
@@ -132,13 +157,14 @@ def build_model(name: str, huge_pages: bool = True) -> nn.Module:
             return load("embedded", progress=False).model
         finally:
             del os.environ["KVSHELF_NO_HUGE_PAGES"]
-    if name in ("llama30", "llama30-bf16"):
-        model_cls, args_cls = _get_classes(LLAMA30)
-        model = model_cls(args_cls.from_dict(LLAMA30))
+    config = RANDOM_MODELS.get(name.removesuffix("-bf16"))
+    if config is not None:
+        model_cls, args_cls = _get_classes(config)
+        model = model_cls(args_cls.from_dict(config))
         mx.random.seed(0)
         # llama30-bf16: the same weights rounded to bf16, as a published checkpoint (SmolLM2's is
         # bf16) loads for the CPU (fp32 arrays of bf16 values), which the products read as bf16 codes
-        kind = mx.bfloat16 if name == "llama30-bf16" else mx.float32
+        kind = mx.bfloat16 if name.endswith("-bf16") else mx.float32
         model.update(
             tree_map(lambda p: (mx.random.normal(p.shape) * 0.02).astype(kind).astype(mx.float32), model.parameters())
         )
@@ -146,7 +172,8 @@ def build_model(name: str, huge_pages: bool = True) -> nn.Module:
         if huge_pages:
             collapse(weights_of(model))
         return model
-    raise ValueError(f"unknown model {name!r}; known: embedded, llama30, llama30-bf16")
+    known = ", ".join(f"{m}, {m}-bf16" for m in RANDOM_MODELS)
+    raise ValueError(f"unknown model {name!r}; known: embedded, {known}")
 
 
 # "blis" (or "no-blis"): the engine with the other setting of BLIS for a batch's rows beside it

@@ -22,7 +22,7 @@ from kvshelf.model.blas import usable_cpus
 from kvshelf.model.gemv import with_fast_linears
 from kvshelf.model.head import ProjectedModel
 from kvshelf.model.loader import load
-from kvshelf.model.native_decode import PROBE_TOLERANCE, NativeDecoder, probe_gap
+from kvshelf.model.native_decode import PROBE_TOLERANCE, LatentLayer, NativeDecoder, probe_gap
 from kvshelf.model.native_ops import (
     SPLIT_COLUMNS,
     Rope,
@@ -226,6 +226,21 @@ def test_the_native_step_is_built_and_its_probe_rejects_a_wrong_step(models, kin
     else:
         assert loaded.greedy_forward.native.exact
     assert with_fast_linears(loaded.model, native=False).native is None
+
+
+def test_a_deepseek_v2_with_a_query_latent_gets_the_native_step(tmp_path):
+    """DeepSeek-V2 proper (not -Lite) projects its queries through a latent and its norm first."""
+    loaded = load(make_tiny_model_dir(tmp_path / "q-latent", "deepseek_v2", q_lora_rank=24), progress=False)
+    native = loaded.forward.native
+    assert native is not None and native.kind == "deepseek_v2"
+    layer = native.layers[0]
+    assert isinstance(layer, LatentLayer) and layer.q_a is not None and layer.q_a.shape == (24, 64)
+    assert probe_gap(loaded.model, native, loaded.model.model) <= PROBE_TOLERANCE
+    agent = prefilled(loaded.model, loaded.spec, 300, 90, DEFAULT_SCHEME)
+    fork = agent.fork()
+    got = logits(loaded.forward, [fork], [5], fork.layers)
+    want = logits(loaded.model, [agent], [5], agent.layers)
+    assert close(got, want, STEP_TOLERANCE), np.abs(got - want).max()
 
 
 @pytest.mark.parametrize("scheme", DENSE_SCHEMES)
