@@ -25,7 +25,7 @@ from kvshelf.model.native_decode import FAST, NativeDecoder, probe_gap
 from kvshelf.model.native_ops import Rope
 from tests.support.agents import prefilled
 
-KINDS = ["llama", "gemma3_text"]
+KINDS = ["llama", "gemma3_text", "deepseek_v2"]
 
 
 @pytest.fixture(scope="module")

@@ -218,13 +218,8 @@ def test_the_native_step_is_built_and_its_probe_rejects_a_wrong_step(models, kin
     assert wrong is not None and wrong is not forward.native
     wrong.layers[0].rope.scale *= 1.5  # a RoPE that rotates by the wrong angles
     assert probe_gap(loaded.model, wrong, loaded.model.model) > 100 * PROBE_TOLERANCE
-    # the shape-invariant kernels (temperature 0) get their own, exact one (DeepSeek-V2's latent
-    # attention keeps the module path there); an opt-out keeps the module path
-    assert not forward.native.exact
-    if kind == "deepseek_v2":
-        assert loaded.greedy_forward.native is None
-    else:
-        assert loaded.greedy_forward.native.exact
+    # the shape-invariant kernels (temperature 0) get their own, exact one; an opt-out keeps the module path
+    assert not forward.native.exact and loaded.greedy_forward.native.exact
     assert with_fast_linears(loaded.model, native=False).native is None
 
 

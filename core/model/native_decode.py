@@ -17,10 +17,10 @@ Other caches keep one update and evaluation per layer. The head is the caller's
 (``kvshelf.model.head.ProjectedModel``).
 
 Which models: mlx-lm's Gemma 3 text model, its llama family (Llama, SmolLM2, ...) and
-DeepSeek-V2 with dense layers (latent attention; the default kernels' step only), fp32 on
-the CPU, plain bias-free projections, ``nn.RoPE``, ``Llama3RoPE`` or DeepSeek-V2's YaRN;
-anything else is None here and keeps the module path. Which calls: decode steps of 1..``MAX_LAYER_ROWS``
-agents over caches that hand over dense K/V (``dense_decode``: the KV schemes' working
+DeepSeek-V2 with dense layers (latent attention), fp32 on the CPU, plain bias-free
+projections, ``nn.RoPE``, ``Llama3RoPE`` or DeepSeek-V2's YaRN; anything else is None here
+and keeps the module path. Which calls: decode steps of 1..``MAX_LAYER_ROWS`` agents over
+caches that hand over dense K/V (``dense_decode``: the KV schemes' working
 sets; plain Q4's packed rows go to ``quantized_matmul`` in the module path).
 
 Exactness: the default kernels' step (``FAST`` operations) is the same function as the
@@ -337,14 +337,13 @@ class LatentLayer(NativeLayer):
 class DeepseekV2Decoder(LlamaDecoder):
     """mlx-lm's ``deepseek_v2`` with dense MLPs: the llama's layer (two norms, SwiGLU) around
     latent attention. The cache gets plain per-head keys (the RoPE part repeated for every
-    head) and values, as from the module, so attention is the same as every other model's.
-    Default kernels only: temperature 0 keeps the module path (its exact operations are
-    mirrored for the llama and Gemma 3 layers, not this one)."""
+    head) and values, as from the module, so attention is the same as every other model's,
+    for the default kernels and for temperature 0's (``InvariantLatentAttention``'s bits)."""
 
     kind = "deepseek_v2"
 
-    def __init__(self, body: Any, layers: list[NativeLayer], product: Gemm, eps: float):
-        NativeDecoder.__init__(self, body, layers, product, eps, None, exact=False)
+    def __init__(self, body: Any, layers: list[NativeLayer], product: Gemm, eps: float, exact: bool):
+        NativeDecoder.__init__(self, body, layers, product, eps, None, exact)
         self._full, self._swa = 0, None  # every layer attends to the whole context
 
     def _attention(self, layer: NativeLayer, x: np.ndarray, mask: Any, cache: Any) -> np.ndarray:
@@ -400,10 +399,8 @@ def _llama(model: nn.Module, product: Gemm, exact: bool) -> NativeDecoder | None
 
 
 def _deepseek_v2(model: nn.Module, product: Gemm, exact: bool) -> NativeDecoder | None:
-    """Dense layers only (a routed-experts layer has no ``gate_proj``: the module path), no
-    attention biases, and the default kernels' step only."""
-    if exact:
-        return None
+    """Dense layers only (a routed-experts layer has no ``gate_proj``: the module path) and no
+    attention biases."""
     body, halves = model.model, takes_codes(product)
     layers: list[NativeLayer] = []
     for block in body.layers:
@@ -429,7 +426,7 @@ def _deepseek_v2(model: nn.Module, product: Gemm, exact: bool) -> NativeDecoder 
                 q_a=q_a, latent=attn.kv_lora_rank, nope=attn.qk_nope_head_dim, latent_eps=attn.kv_a_layernorm.eps,
             )
         )  # fmt: skip
-    return DeepseekV2Decoder(body, layers, product, model.args.rms_norm_eps)
+    return DeepseekV2Decoder(body, layers, product, model.args.rms_norm_eps, exact)
 
 
 _ARCHITECTURES = {
