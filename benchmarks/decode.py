@@ -162,7 +162,7 @@ def build_model(name: str, huge_pages: bool = True) -> nn.Module:
         model_cls, args_cls = _get_classes(config)
         model = model_cls(args_cls.from_dict(config))
         mx.random.seed(0)
-        # llama30-bf16: the same weights rounded to bf16, as a published checkpoint (SmolLM2's is
+        # ...-bf16: the same weights rounded to bf16, as a published checkpoint (SmolLM2's is
         # bf16) loads for the CPU (fp32 arrays of bf16 values), which the products read as bf16 codes
         kind = mx.bfloat16 if name.endswith("-bf16") else mx.float32
         model.update(

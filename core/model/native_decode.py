@@ -78,6 +78,12 @@ def _plain_weight(layer: Any, halves: bool) -> np.ndarray | None:
     return w if half is None else half
 
 
+def _plain_weights(layers: Sequence[Any], halves: bool) -> list[np.ndarray] | None:
+    """Every layer's ``_plain_weight``, or None where any is not one."""
+    weights = [_plain_weight(m, halves) for m in layers]
+    return None if any(w is None for w in weights) else [w for w in weights if w is not None]
+
+
 @dataclass(frozen=True)
 class RowOps:
     """The small operations a step runs on numpy rows: fp32-exact and fast
@@ -120,14 +126,11 @@ def _norm_weight(norm: Any, offset: float) -> np.ndarray:
 
 def _layer(block: Any, norms: dict[str, Any], offset: float, sliding: bool, halves: bool) -> NativeLayer | None:
     attn, mlp = block.self_attn, block.mlp
-    weights = [_plain_weight(m, halves) for m in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj)]
-    weights += [_plain_weight(m, halves) for m in (mlp.gate_proj, mlp.up_proj, mlp.down_proj)]
-    rope = Rope.of(attn.rope)
-    if rope is None or any(w is None for w in weights):
+    parts = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+    weights, rope = _plain_weights(parts, halves), Rope.of(attn.rope)
+    if rope is None or weights is None:
         return None
     q, k, v, o, gate, up, down = weights
-    assert q is not None and k is not None and v is not None and o is not None  # checked above
-    assert gate is not None and up is not None and down is not None
     return NativeLayer(
         q, k, v, o, gate, up, down,
         norms={name: _norm_weight(n, offset) for name, n in norms.items()},
@@ -302,10 +305,22 @@ class LlamaDecoder(NativeDecoder):
 
     kind = "llama"
 
-    def __init__(self, body: Any, layers: list[NativeLayer], product: Gemm, eps: float, exact: bool):
+    def __init__(
+        self,
+        body: Any,
+        layers: list[NativeLayer],
+        product: Gemm,
+        eps: float,
+        exact: bool,
+        window: int | None = None,
+        full: int = 0,
+        sliding: int | None = None,
+    ):
+        """``full`` and ``sliding``: a full-attention layer's index and a sliding one's (None:
+        none), whose caches give the masks; ``window``: the sliding layers' window."""
         super().__init__(body, layers, product, eps, None, exact)
-        self.window = body.sliding_window
-        self._full, self._swa = body.fa_idx, body.swa_idx
+        self.window = window
+        self._full, self._swa = full, sliding
 
     def _masks(self, inputs: mx.array, cache: Sequence[Any]) -> tuple[Any, Any]:
         full = create_attention_mask(inputs, cache[self._full])
@@ -341,10 +356,6 @@ class DeepseekV2Decoder(LlamaDecoder):
     for the default kernels and for temperature 0's (``InvariantLatentAttention``'s bits)."""
 
     kind = "deepseek_v2"
-
-    def __init__(self, body: Any, layers: list[NativeLayer], product: Gemm, eps: float, exact: bool):
-        NativeDecoder.__init__(self, body, layers, product, eps, None, exact)
-        self._full, self._swa = 0, None  # every layer attends to the whole context
 
     def _attention(self, layer: NativeLayer, x: np.ndarray, mask: Any, cache: Any) -> np.ndarray:
         assert isinstance(layer, LatentLayer)
@@ -395,7 +406,7 @@ def _llama(model: nn.Module, product: Gemm, exact: bool) -> NativeDecoder | None
         if layer is None:
             return None
         layers.append(layer)
-    return LlamaDecoder(body, layers, product, args.rms_norm_eps, exact)
+    return LlamaDecoder(body, layers, product, args.rms_norm_eps, exact, body.sliding_window, body.fa_idx, body.swa_idx)
 
 
 def _deepseek_v2(model: nn.Module, product: Gemm, exact: bool) -> NativeDecoder | None:
@@ -407,15 +418,12 @@ def _deepseek_v2(model: nn.Module, product: Gemm, exact: bool) -> NativeDecoder 
         attn, mlp = block.self_attn, block.mlp
         with_latent = attn.q_lora_rank is not None
         parts = [attn.q_b_proj if with_latent else attn.q_proj, attn.kv_a_proj_with_mqa, attn.kv_b_proj, attn.o_proj]
-        parts += [mlp.gate_proj, mlp.up_proj, mlp.down_proj]
-        weights = [_plain_weight(m, halves) for m in parts]
-        q_a = _plain_weight(attn.q_a_proj, halves) if with_latent else None
-        rope = Rope.of(attn.rope)
-        if rope is None or any(w is None for w in weights) or (with_latent and q_a is None):
+        parts += [mlp.gate_proj, mlp.up_proj, mlp.down_proj, *([attn.q_a_proj] if with_latent else [])]
+        weights, rope = _plain_weights(parts, halves), Rope.of(attn.rope)
+        if rope is None or weights is None:
             return None
-        q, k, v, o, gate, up, down = weights
-        assert q is not None and k is not None and v is not None and o is not None  # checked above
-        assert gate is not None and up is not None and down is not None
+        q, k, v, o, gate, up, down, *query_latent = weights
+        q_a = query_latent[0] if query_latent else None
         norms = {"input": block.input_layernorm, "post_attention": block.post_attention_layernorm}
         norms |= {"kv_a": attn.kv_a_layernorm} | ({"q_a": attn.q_a_layernorm} if with_latent else {})
         layers.append(
@@ -426,7 +434,7 @@ def _deepseek_v2(model: nn.Module, product: Gemm, exact: bool) -> NativeDecoder 
                 q_a=q_a, latent=attn.kv_lora_rank, nope=attn.qk_nope_head_dim, latent_eps=attn.kv_a_layernorm.eps,
             )
         )  # fmt: skip
-    return DeepseekV2Decoder(body, layers, product, model.args.rms_norm_eps, exact)
+    return DeepseekV2Decoder(body, layers, product, model.args.rms_norm_eps, exact)  # every layer full
 
 
 _ARCHITECTURES = {
