@@ -30,7 +30,10 @@ and side by side, for each model and context length:
   (``--paths no-defer``) the native step with the working set updated inside each layer
   (an MLX evaluation per layer) instead of once after the last (``defer_updates``), and
   (``--paths fp32-weights``) the scheduler's path reading every weight as fp32 instead of
-  as its fp16 or bf16 codes where those hold it (``kvshelf.model.half_weights``);
+  as its fp16 or bf16 codes where those hold it (``kvshelf.model.half_weights``), and
+  (``--paths q4-packed``) plain Q4 decoding on its packed rows through
+  ``quantized_matmul`` (``kvshelf.kv.blocks.PACKED_DECODE``: a GPU's path) beside ``q4``,
+  which on the CPU decodes on dense rows;
 - mlx-lm's own step on the same model with its fp32 ``KVCache``/``RotatingKVCache``
   (batch 1: what ``mlx_lm.generate`` runs);
 - the floor: the model's weight bytes (and weights + K/V bytes) divided by the memory
@@ -91,7 +94,7 @@ from kvbench.decode_steps import (
     kv_bytes,
     weight_bytes,
 )
-from kvshelf.kv import working_set
+from kvshelf.kv import blocks, working_set
 from kvshelf.kv.agent_cache import AgentCache
 from kvshelf.kv.schemes import DEFAULT_SCHEME, SCHEMES
 from kvshelf.model import few_rows, half_weights, skinny
@@ -196,6 +199,7 @@ PATHS = (
     "no-native",
     "no-defer",
     "fp32-weights",
+    "q4-packed",
 )
 
 
@@ -287,7 +291,9 @@ def run(
                 peer = make_prompt_cache(model)
                 fill(peer, spec, context, seed=1)
                 runs.append(("mlx-lm fp32 KV", 1, Stepper(model, [peer], peer=True)))
-            schemes = [s for p, s in (("default", DEFAULT_SCHEME), ("q4", "q4-g64-per-token-v1")) if p in paths]
+            plain = "q4" in paths or "q4-packed" in paths
+            schemes = [s for p, s in ((True, DEFAULT_SCHEME), (plain, "q4-g64-per-token-v1")) if p]
+            schemes = schemes if "default" in paths else schemes[1:]
             for scheme in schemes:
                 agents = []
                 for b in range(max(batches)):
@@ -324,11 +330,19 @@ def run(
                         kinds.append((True, f"{scheme} greedy no skinny", greedy_no_skinny))
                     if "pipeline" in paths:
                         kinds.append((True, f"{scheme} pipeline", fast))
+                    if "q4-packed" in paths and SCHEMES[scheme].plain:
+                        kinds.append((True, f"{scheme} packed", fast))
                     if "per-step" in paths:
                         kinds.append((False, f"{scheme} per-step", model))
                     for working, path, forward in kinds:
                         members = [_clone(layers) for layers in agents[:batch]]
-                        kind = PipelinedStepper if path.endswith(" pipeline") else Stepper
+                        kind = (
+                            PipelinedStepper
+                            if path.endswith(" pipeline")
+                            else PackedStepper
+                            if path.endswith(" packed")
+                            else Stepper
+                        )
                         runs.append((path, batch, kind(forward, members, working)))
                 del agents
             floor_read = WeightsRead(model)
@@ -374,6 +388,19 @@ class PipelinedStepper(Stepper):
             return super().step()
         finally:
             working_set.PIPELINE = default
+
+
+class PackedStepper(Stepper):
+    """A stepper whose plain-Q4 agents decode as a GPU has them do: their packed rows
+    handed to ``quantized_matmul`` (``kvshelf.kv.blocks.PACKED_DECODE``), what the CPU did
+    too before plain Q4 got the dense working set; only its steps."""
+
+    def step(self) -> float:
+        default, blocks.PACKED_DECODE = blocks.PACKED_DECODE, True
+        try:
+            return super().step()
+        finally:
+            blocks.PACKED_DECODE = default
 
 
 def floors_only(models: list[str], runs: int) -> dict:

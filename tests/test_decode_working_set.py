@@ -11,6 +11,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from kvshelf.kv import blocks
 from kvshelf.kv.agent_cache import AgentCache
 from kvshelf.kv.batch import batch_views
 from kvshelf.kv.record import agent_cache_from_record, agent_record
@@ -22,12 +23,24 @@ from kvshelf.model.spec import BLOCK_TOKENS
 from kvshelf.runtime.pool import BlockPool
 
 KINDS = ["llama", "gemma3_text", "deepseek_v2"]
-SCHEME_NAMES = [DEFAULT_SCHEME, "q4-g64-per-token-v1"]
+# Plain Q4 decodes on dense rows on the CPU, and on its packed rows through
+# quantized_matmul where that pays (a GPU: ``blocks.packed_decode``); PACKED forces the
+# latter here, so both paths stay covered.
+PACKED = "q4-g64-per-token-v1 packed"
+SCHEME_NAMES = [DEFAULT_SCHEME, "q4-g64-per-token-v1", PACKED]
 # Prompts end shortly before a 256-token block fills; decoding STEPS tokens crosses
 # the boundary (a KIVI key block is quantized) and, for gemma3_text's 16-token window,
 # the sliding layers' start moves a block on (at 527 tokens).
 PROMPT_LENGTHS = [500, 230]
 STEPS = 40
+
+
+@pytest.fixture(autouse=True)
+def packed_decode(request, monkeypatch):
+    """The PACKED case: plain Q4's packed decode path, forced on the CPU."""
+    callspec = getattr(request.node, "callspec", None)
+    if callspec is not None and callspec.params.get("scheme") == PACKED:
+        monkeypatch.setattr(blocks, "PACKED_DECODE", True)
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +53,7 @@ def prompt(n: int, seed: int) -> list[int]:
 
 
 def prefilled(loaded, scheme: str, tokens: list[int]) -> tuple[AgentCache, int]:
-    cache = AgentCache.empty(loaded.spec, SCHEMES[scheme])
+    cache = AgentCache.empty(loaded.spec, SCHEMES[scheme.removesuffix(" packed")])
     logits = loaded.model(mx.array(tokens)[None], cache=cache.layers)[0, -1]
     mx.eval(logits, cache.arrays())
     cache.tokens = list(tokens)
@@ -101,7 +114,7 @@ def test_one_agent_is_bit_identical_across_a_block_and_a_window_move(models, kin
     if kind == "gemma3_text":  # the window moved during the run
         assert any(c.window and c.start > 0 for c in mine.layers)
     # dense rows are held while decoding; plain Q4's one packed buffer is read in place
-    assert (working.nbytes > 0) == (scheme == DEFAULT_SCHEME)
+    assert (working.nbytes > 0) == (scheme != PACKED)
     working.clear()
     assert working.nbytes == 0
 
@@ -226,11 +239,13 @@ def test_embedded_model_is_bit_identical_across_a_block_and_a_window_move(embedd
     assert any(c.window and c.start > 0 for c in mine.layers)
 
 
+@pytest.mark.parametrize("packed", [False, True])
 @pytest.mark.parametrize("scheme", list(SCHEMES))
-def test_coded_rows_of_a_batch_are_each_members_own_rows(models, scheme):
+def test_coded_rows_of_a_batch_are_each_members_own_rows(models, scheme, packed, monkeypatch):
     """The working set codes all members' new rows in one call; each row is what that
     member's ``attention_rows`` reads back after its own append, bit for bit (sinks and
     a filled key block excepted, which the working set re-reads per member)."""
+    monkeypatch.setattr(blocks, "PACKED_DECODE", packed)
     loaded = models["llama"]
     layer = loaded.spec.layers[0]
     members = []
@@ -241,7 +256,7 @@ def test_coded_rows_of_a_batch_are_each_members_own_rows(models, scheme):
         cache.update_and_fetch(*kv)
         members.append(cache)
     keys, values = (mx.random.normal((3, layer.kv_heads, 1, 64), key=mx.random.key(s)) for s in (1, 2))
-    dense = not all(m.QUANTIZED_DECODE for m in members)
+    dense = not all(m.quantized_decode for m in members)
     coded = [x if isinstance(x, tuple) else (x,) for x in members[0].coded_rows(keys, values, mx.float32, dense)]
     checked = 0
     for b, m in enumerate(members):

@@ -16,6 +16,7 @@ from mlx_lm.models.rope_utils import Llama3RoPE
 
 from kvshelf.kv.agent_cache import AgentCache
 from kvshelf.kv.record import agent_cache_from_record, agent_record
+from kvshelf.kv.schemes import DEFAULT_SCHEME
 from kvshelf.kv.working_set import WorkingSets
 from kvshelf.model import exact_ops
 from kvshelf.model.gemv import with_fast_linears
@@ -89,14 +90,15 @@ def test_the_exact_step_is_built_and_its_probe_finds_any_difference(models, kind
     assert with_fast_linears(loaded.model, all_rows=True, attention=True, native=False).native is None
 
 
+@pytest.mark.parametrize("scheme", [DEFAULT_SCHEME, "q4-g64-per-token-v1"])  # plain Q4: dense rows on the CPU
 @pytest.mark.parametrize("kind", KINDS)
-def test_every_step_has_the_module_paths_bits(models, kind):
+def test_every_step_has_the_module_paths_bits(models, kind, scheme):
     """Three agents, one joining late and one leaving (prompts end just before a 256-token
     key block fills; gemma's 16-token window moves): every step twice from the same state,
     the exact step on one working set and the module path on another."""
     loaded = models[kind]
     module = with_fast_linears(loaded.model, all_rows=True, attention=True, native=False)
-    agents = [prefilled(loaded.greedy_forward, loaded.spec, n, 10 + i) for i, n in enumerate([250, 230, 40])]
+    agents = [prefilled(loaded.greedy_forward, loaded.spec, n, 10 + i, scheme) for i, n in enumerate([250, 230, 40])]
     forks = [a.fork() for a in agents]
     mine, theirs = WorkingSets(), WorkingSets()
     tokens = [1, 2, 3]

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from mlx_lm.models.rope_utils import Llama3RoPE
 
+from kvshelf.kv import blocks
 from kvshelf.kv.agent_cache import AgentCache
 from kvshelf.kv.batch import batch_views
 from kvshelf.kv.record import agent_cache_from_record, agent_record
@@ -40,7 +41,8 @@ from tests.support.tiny import VOCAB, make_tiny_model_dir
 
 KINDS = ["llama", "gemma3_text", "deepseek_v2"]
 # A dense scheme with rotated keys and fp16 sinks beside the default (KIVI keys, rotated values).
-DENSE_SCHEMES = [DEFAULT_SCHEME, "q4-g64-rot-sink4"]
+# plain Q4 among them: on the CPU it decodes on dense rows too (``blocks.packed_decode``)
+DENSE_SCHEMES = [DEFAULT_SCHEME, "q4-g64-rot-sink4", "q4-g64-per-token-v1"]
 STEPS = 30
 # One step from the same state, native against the module path: fp32 rounding only.
 STEP_TOLERANCE = 1e-4
@@ -283,13 +285,14 @@ def test_the_working_set_and_per_step_caches_give_the_native_step_the_same_bits(
     assert working.nbytes > 0
 
 
+@pytest.mark.parametrize("scheme", [DEFAULT_SCHEME, "q4-g64-per-token-v1"])
 @pytest.mark.parametrize("kind", KINDS)
-def test_deferring_the_working_set_update_changes_no_bit(models, kind):
+def test_deferring_the_working_set_update_changes_no_bit(models, kind, scheme):
     """The working set updated once after the last layer (attention reading the step's own
     rows from numpy) against inside each layer, through a key block's closing."""
     loaded = models[kind]
     native = loaded.forward.native
-    agents = [prefilled(loaded.model, loaded.spec, n, 70 + i, DEFAULT_SCHEME) for i, n in enumerate([250, 40])]
+    agents = [prefilled(loaded.model, loaded.spec, n, 70 + i, scheme) for i, n in enumerate([250, 40])]
     forks = [a.fork() for a in agents]
     later, now = WorkingSets(), WorkingSets()
     tokens = [3, 4]
@@ -330,7 +333,7 @@ def test_a_restored_agent_continues_bit_identically(models, kind):
         ta, tb = int(ra.argmax()), int(rb.argmax())
 
 
-def test_it_steps_aside_for_calls_it_does_not_run(models, tmp_path):
+def test_it_steps_aside_for_calls_it_does_not_run(models, tmp_path, monkeypatch):
     loaded = models["llama"]
     native = loaded.forward.native
     assert native is not None
@@ -338,7 +341,10 @@ def test_it_steps_aside_for_calls_it_does_not_run(models, tmp_path):
     packed = prefilled(loaded.model, loaded.spec, 20, 41, "q4-g64-per-token-v1")
     one = mx.array([[1]])
     assert native.takes(one, dense.layers)
-    assert not native.takes(one, packed.layers)  # plain Q4 hands packed rows to quantized_matmul
+    assert native.takes(one, packed.layers)  # plain Q4 on the CPU: dense rows too
+    # where quantized_matmul pays (a GPU), plain Q4 hands it packed rows instead
+    monkeypatch.setattr(blocks, "PACKED_DECODE", True)
+    assert not native.takes(one, packed.layers)
     assert not native.takes(one, WorkingSets().caches(["p"], [packed.layers]))
     assert not native.takes(mx.array([[1, 2]]), dense.layers)  # a prefill call
     many = [prefilled(loaded.model, loaded.spec, 5, 50 + i, DEFAULT_SCHEME) for i in range(MAX_LAYER_ROWS + 1)]

@@ -13,11 +13,12 @@ Why this shape:
   the window (the "slack" block). Memory stays bounded however long the conversation
   grows, yet the cache can always rewind a turn's worth of tokens (the next prompt
   often re-renders the last few tokens of the previous reply differently).
-- Attention reads the quantized blocks directly. For a few query tokens (decode),
-  the cache exposes ``bits`` so that mlx-lm's attention runs ``quantized_matmul``
+- Attention reads the quantized blocks directly. For a few query tokens (decode) on a
+  GPU, the cache exposes ``bits`` so that mlx-lm's attention runs ``quantized_matmul``
   over the packed data. For a long chunk (prefill), ``quantized_matmul`` is 10x slower
   than dequantizing once and running the fused dense kernel, so the cache then hides
-  ``bits`` and returns the dequantized blocks. Either way every token is seen through
+  ``bits`` and returns the dequantized blocks; so it does for decode on the CPU, where
+  ``quantized_matmul`` is slow too (``packed_decode``). Either way every token is seen through
   its 4-bit representation, including the chunk's own tokens (per-channel key schemes
   keep an open fp16 block; ``kvschemes`` says how a query reads it).
 - A forked agent starts on a shared base (``SharedLayer``): whole blocks of a common
@@ -39,6 +40,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import _BaseCache
 
+from kvshelf.kv import row_coding
 from kvshelf.kv.row_coding import NpTriple
 from kvshelf.model.spec import BLOCK_TOKENS, LayerSpec
 
@@ -46,6 +48,24 @@ from kvshelf.model.spec import BLOCK_TOKENS, LayerSpec
 # (measured on the CPU: best for one query, worse than dequantize + dense from 4 up).
 QUANTIZED_ATTENTION_MAX_QUERY = 1
 SCALE_DTYPE = mx.float16
+
+# Whether a plain scheme's decode step hands its packed rows to ``quantized_matmul``
+# (``packed_decode``); None: where that pays, on a GPU. On the CPU, MLX's 4-bit
+# ``quantized_matmul`` runs at about 1.7 GFLOP/s, so plain per-token Q4 decoded 3.4-12.8x
+# slower than the default scheme's dense working set on the embedded model and 5.7-11.9x
+# on the llama, at 1K-16K and batch 1-8 (``benchmarks/decode.py``,
+# ``decode-20261207-170858.json`` and ``-171859.json``): there its full blocks are now held
+# dequantized while the agent decodes, as every other scheme's are. Tests set it to keep
+# the packed path covered on the CPU.
+PACKED_DECODE: bool | None = None
+
+
+def packed_decode() -> bool:
+    """Whether plain schemes decode on their packed rows (``PACKED_DECODE``)."""
+    if PACKED_DECODE is not None:
+        return PACKED_DECODE
+    return mx.default_device().type == mx.gpu
+
 
 QTriple = tuple[mx.array, mx.array, mx.array]
 # New rows' at-rest codes (``QuantizedLayerCache.code_rows``): keys (None where keys wait
@@ -207,16 +227,22 @@ class QuantizedLayerCache(PackedFetch, _BaseCache):
     Subclasses (``kvschemes``) change how tokens are coded through a few hooks:
     ``_write`` (store new tokens), ``_dequantize_keys``/``_dequantize_values`` (the
     dense path) and ``QUANTIZED_DECODE`` (whether the packed rows can go straight to
-    mlx-lm's ``quantized_matmul``).
+    mlx-lm's ``quantized_matmul``, which they then do where that pays: ``packed_decode``).
     """
 
     QUANTIZED_DECODE = True
 
     @property
+    def quantized_decode(self) -> bool:
+        """Whether a decode step's fetch hands packed rows to ``quantized_matmul``: a scheme
+        whose rows it can read, on a device where that is faster than dense rows."""
+        return self.QUANTIZED_DECODE and packed_decode()
+
+    @property
     def dense_decode(self) -> bool:
         """Whether a decode step's fetch hands over dense K/V (else packed rows, for
         ``quantized_matmul``): what ``kvshelf.model.native_decode`` takes."""
-        return not self.QUANTIZED_DECODE
+        return not self.quantized_decode
 
     def __init__(self, layer: LayerSpec, bits: int = 4, group_size: int = 64):
         self._staged: list[Staged] = []  # first: every field below settles it when set
@@ -357,7 +383,7 @@ class QuantizedLayerCache(PackedFetch, _BaseCache):
     def fetch(self, dense_dtype: mx.Dtype, queries: int) -> tuple[Any, Any]:
         """The cached K and V: packed for short queries, dequantized otherwise."""
         k, v = self._rows(self.keys, "keys"), self._rows(self.values, "values")
-        self._quantized_fetch = self.QUANTIZED_DECODE and queries <= QUANTIZED_ATTENTION_MAX_QUERY
+        self._quantized_fetch = self.quantized_decode and queries <= QUANTIZED_ATTENTION_MAX_QUERY
         if self._quantized_fetch:
             return k, v
         return self._dequantize_keys(k, dense_dtype), self._dequantize_values(v, dense_dtype)
@@ -390,9 +416,9 @@ class QuantizedLayerCache(PackedFetch, _BaseCache):
 
     def attention_rows(self, lo: int, hi: int, dtype: mx.Dtype, dense: bool = False) -> tuple[Any, Any]:
         """K and V of positions ``lo..hi`` exactly as ``fetch`` hands them to one query:
-        packed triples where ``QUANTIZED_DECODE`` (unless ``dense``), else dequantized."""
+        packed triples where ``quantized_decode`` (unless ``dense``), else dequantized."""
         k, v = self.packed_rows("keys", lo, hi), self.packed_rows("values", lo, hi)
-        if self.QUANTIZED_DECODE and not dense:
+        if self.quantized_decode and not dense:
             return k, v
         return self._dequantize(k, dtype), self._dequantize(v, dtype)
 
@@ -405,15 +431,20 @@ class QuantizedLayerCache(PackedFetch, _BaseCache):
         ``own_rows_at`` says otherwise."""
         k, v = codes if codes is not None else self.code_rows(keys, values)
         assert k is not None  # row-coded keys
-        if self.QUANTIZED_DECODE and not dense:
+        if self.quantized_decode and not dense:
             return k, v
         return self._dequantize(k, dtype), self._dequantize(v, dtype)
 
     def read_back(self, keys: np.ndarray, values: np.ndarray) -> CodedRows | None:
         """New rows (fp32 numpy) coded as ``code_rows`` and ``coded_rows`` (dense) code them,
-        bit for bit, or None: plain per-token Q4 hands packed rows to ``quantized_matmul``
-        instead (a scheme's cache overrides this; ``kvshelf.kv.schemes``)."""
-        return None
+        bit for bit (``kvshelf.kv.row_coding``), or None where the step hands packed rows
+        to ``quantized_matmul`` instead (a scheme's cache overrides this;
+        ``kvshelf.kv.schemes``)."""
+        if self.quantized_decode or keys.dtype != np.float32 or values.dtype != np.float32:
+            return None
+        key_codes, k = row_coding.quantize(keys, self.group_size, self._bits)
+        value_codes, v = row_coding.quantize(values, self.group_size, self._bits)
+        return CodedRows(k, v, key_codes, value_codes)
 
     def own_rows_at(self, position: int) -> bool:
         """Whether a row appended at ``position`` reads back other than ``coded_rows`` says

@@ -5,8 +5,9 @@ through the dense path dequantizes and un-rotates every block of every layer, ev
 step, though full blocks never change (measured on the embedded Gemma 3 at 1K context:
 170 of a 484 ms step). So while agents decode together, each layer keeps its members'
 rows in the form attention takes (``attention_rows``: dense in the compute dtype and
-un-rotated for the schemes' dense path, packed triples for plain Q4's
-``quantized_matmul``), in one persistent batch buffer per layer:
+un-rotated for the schemes' dense path, which plain Q4 takes on the CPU too; packed
+triples for plain Q4's ``quantized_matmul`` on a GPU), in one persistent batch buffer
+per layer:
 
 - made once when the decode run starts (or taken over from the previous run for the
   members that stay), dropped when the run ends or its membership changes;
@@ -115,8 +116,8 @@ class DecodeLayer(BatchLayerView):
     def __init__(self, members: list[QuantizedLayerCache], carried: list[Carried | None]):
         super().__init__(members)
         self._carried = carried  # rows start..offset of members taken over from a previous run
-        # Dense unless every member hands packed rows to quantized_matmul (plain Q4).
-        self._dense = not all(m.QUANTIZED_DECODE for m in members)
+        # Dense unless every member hands packed rows to quantized_matmul (plain Q4 on a GPU).
+        self._dense = not all(m.quantized_decode for m in members)
         self._quantized_fetch = not self._dense
         # One agent whose packed rows are one buffer already (no shared base): its own
         # fetch is a slice, so a copy would only cost bytes.

@@ -21,7 +21,8 @@ DeepSeek-V2 with dense layers (latent attention), fp32 on the CPU, plain bias-fr
 projections, ``nn.RoPE``, ``Llama3RoPE`` or DeepSeek-V2's YaRN; anything else is None here
 and keeps the module path. Which calls: decode steps of 1..``MAX_LAYER_ROWS`` agents over
 caches that hand over dense K/V (``dense_decode``: the KV schemes' working
-sets; plain Q4's packed rows go to ``quantized_matmul`` in the module path).
+sets, plain Q4's too on the CPU; on a GPU its packed rows go to ``quantized_matmul`` in
+the module path).
 
 Exactness: the default kernels' step (``FAST`` operations) is the same function as the
 model to fp32 rounding, not bit for bit (numpy's sums and MLX's differ in order); checked
