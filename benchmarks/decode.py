@@ -336,14 +336,13 @@ def run(
                         kinds.append((False, f"{scheme} per-step", model))
                     for working, path, forward in kinds:
                         members = [_clone(layers) for layers in agents[:batch]]
-                        kind = (
-                            PipelinedStepper
-                            if path.endswith(" pipeline")
-                            else PackedStepper
-                            if path.endswith(" packed")
-                            else Stepper
+                        switch = next((s for suffix, s in SWITCHES.items() if path.endswith(suffix)), None)
+                        stepper = (
+                            SwitchedStepper(switch, forward, members, working)
+                            if switch is not None
+                            else Stepper(forward, members, working)
                         )
-                        runs.append((path, batch, kind(forward, members, working)))
+                        runs.append((path, batch, stepper))
                 del agents
             floor_read = WeightsRead(model)
             times = interleaved_ms([stepper.step for _, _, stepper in runs] + [floor_read.step], steps, warmup)
@@ -378,29 +377,28 @@ def run(
     }
 
 
-class PipelinedStepper(Stepper):
-    """A stepper whose steps run with the working set's pipelining on
-    (``kvshelf.kv.working_set.PIPELINE``), and only its steps."""
+# Paths whose steps run with a module-level switch on, and only theirs: the working set's
+# pipelining (``kvshelf.kv.working_set.PIPELINE``), and plain Q4 decoding on its packed
+# rows through ``quantized_matmul`` (``kvshelf.kv.blocks.PACKED_DECODE``: a GPU's path,
+# and the CPU's before plain Q4 got the dense working set).
+SWITCHES: dict[str, tuple[Any, str]] = {" pipeline": (working_set, "PIPELINE"), " packed": (blocks, "PACKED_DECODE")}
+
+
+class SwitchedStepper(Stepper):
+    """A stepper whose steps run with ``switch`` (a module and the name of its flag) set to
+    True, and only its steps: the other steppers of the same rounds run without it."""
+
+    def __init__(self, switch: tuple[Any, str], *args: Any) -> None:
+        super().__init__(*args)
+        self._module, self._name = switch
 
     def step(self) -> float:
-        default, working_set.PIPELINE = working_set.PIPELINE, True
+        default = getattr(self._module, self._name)
+        setattr(self._module, self._name, True)
         try:
             return super().step()
         finally:
-            working_set.PIPELINE = default
-
-
-class PackedStepper(Stepper):
-    """A stepper whose plain-Q4 agents decode as a GPU has them do: their packed rows
-    handed to ``quantized_matmul`` (``kvshelf.kv.blocks.PACKED_DECODE``), what the CPU did
-    too before plain Q4 got the dense working set; only its steps."""
-
-    def step(self) -> float:
-        default, blocks.PACKED_DECODE = blocks.PACKED_DECODE, True
-        try:
-            return super().step()
-        finally:
-            blocks.PACKED_DECODE = default
+            setattr(self._module, self._name, default)
 
 
 def floors_only(models: list[str], runs: int) -> dict:
