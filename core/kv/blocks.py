@@ -438,10 +438,14 @@ class QuantizedLayerCache(PackedFetch, _BaseCache):
     def read_back(self, keys: np.ndarray, values: np.ndarray) -> CodedRows | None:
         """New rows (fp32 numpy) coded as ``code_rows`` and ``coded_rows`` (dense) code them,
         bit for bit (``kvshelf.kv.row_coding``), or None where the step hands packed rows
-        to ``quantized_matmul`` instead (a scheme's cache overrides this;
-        ``kvshelf.kv.schemes``)."""
+        to ``quantized_matmul`` instead (a scheme's cache codes them its own way,
+        ``_coded_back``; ``kvshelf.kv.schemes``)."""
         if self.quantized_decode or keys.dtype != np.float32 or values.dtype != np.float32:
             return None
+        return self._coded_back(keys, values)
+
+    def _coded_back(self, keys: np.ndarray, values: np.ndarray) -> CodedRows:
+        """``read_back``'s coding of fp32 rows: each row quantized on its own."""
         key_codes, k = row_coding.quantize(keys, self.group_size, self._bits)
         value_codes, v = row_coding.quantize(values, self.group_size, self._bits)
         return CodedRows(k, v, key_codes, value_codes)

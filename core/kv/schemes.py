@@ -344,13 +344,11 @@ class SchemeLayerCache(QuantizedLayerCache):
         k = self._dequantize(key_codes, dtype)
         return (_rotate(k) if sch.rotate_keys else k), v
 
-    def read_back(self, keys: np.ndarray, values: np.ndarray) -> CodedRows | None:
+    def _coded_back(self, keys: np.ndarray, values: np.ndarray) -> CodedRows:
         """``code_rows`` and ``coded_rows(..., float32, dense=True)`` on fp32 numpy rows, bit
         for bit (``kvshelf.kv.row_coding`` mirrors MLX's arithmetic): what a decode step's
         own token reads of itself and stores, without an MLX evaluation inside the step."""
         sch = self.scheme
-        if keys.dtype != np.float32 or values.dtype != np.float32:
-            return None
         g, bits = self.group_size, self._bits
         value_codes, v = (row_coding.quantize_rotated if sch.rotate_values else row_coding.quantize)(values, g, bits)
         if sch.channel_keys:  # a new key waits in the fp16 tail
