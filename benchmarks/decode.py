@@ -224,7 +224,12 @@ def read_bytes(model: nn.Module) -> int:
     ``llama30-bf16``, none of ``llama30``'s random fp32 ones), else as fp32."""
     params = tree_flatten(model.parameters())
     assert isinstance(params, list)
-    return sum(v.nbytes // 2 if v.ndim == 2 and half_weights.half_of(v) is not None else v.nbytes for _, v in params)
+    return sum(code_bytes(v) for _, v in params)
+
+
+def code_bytes(weight: mx.array) -> int:
+    """The bytes a default decode step reads ``weight`` as: its 16-bit codes where they hold it, else fp32."""
+    return weight.nbytes // 2 if weight.ndim == 2 and half_weights.half_of(weight) is not None else weight.nbytes
 
 
 def engine_forward(model: nn.Module, blis: bool | None = None) -> nn.Module | ProjectedModel:
