@@ -51,7 +51,7 @@ from common import write_json
 from decode import build_model, code_bytes, engine_forward
 from mlx.utils import tree_flatten
 
-from kvbench.decode_steps import Stepper, bandwidth, fill, weight_bytes
+from kvbench.decode_steps import bandwidth, fill, step_ms, weight_bytes
 from kvshelf.kv.agent_cache import AgentCache
 from kvshelf.kv.schemes import DEFAULT_SCHEME, SCHEMES
 from kvshelf.model.spec import ModelCacheSpec
@@ -124,8 +124,7 @@ def batch_1_ms(model: nn.Module, context: int, steps: int) -> float:
     spec = ModelCacheSpec.from_model(model)
     cache = AgentCache.empty(spec, SCHEMES[DEFAULT_SCHEME])
     fill(cache.layers, spec, context, seed=10)
-    stepper = Stepper(engine_forward(model), [cache.layers], working=True)
-    times = [stepper.step() for _ in range(steps + 2)][2:]
+    times, _ = step_ms(engine_forward(model), [cache.layers], steps, warmup=2, working=True)
     return statistics.median(times)
 
 
