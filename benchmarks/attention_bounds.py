@@ -18,7 +18,11 @@ side by side in one run, for the embedded Gemma 3's heads (4 query heads on 1 KV
 - ``q4_in_place``: whole attention reading Q4 rows in place (4-bit codes, keys' per-channel
   scales for each block of 64 rows folded into the query, values' scales per row and group
   of 64, the values' rotation undone once per head), a row unpacked at a time, checked
-  against ``attend`` over the same rows dequantized.
+  against ``attend`` over the same rows dequantized;
+- ``q8_in_place``: the same with the codes one byte an element (twice Q4's bytes, a quarter
+  of the working set's), compiled per head shape so that its loops unroll: it shows what
+  unpacking nibbles costs, and whether codes read in place beat fp32 rows where memory
+  is slow against the cores.
 
 These are measuring kernels, not kvshelf's: they say what a change of layout would buy
 before the working set is rebuilt around one.
@@ -35,6 +39,7 @@ import os
 import statistics
 import time
 from collections.abc import Callable
+from functools import cache
 from typing import Any
 
 import kvshelf  # noqa: F401  (preloads OpenBLAS, which must come before mlx)
@@ -240,6 +245,117 @@ def q4_in_place(q: Any, kc: Any, ks: Any, kz: Any, vc: Any, vs: Any, vz: Any, sp
                     out[b, h, g, i] *= F32(BLOCK**-0.5)
 
 
+@cache
+def q8_in_place(group: int, d: int) -> Any:
+    """Decode attention over 8-bit codes read in place (one byte an element, the Q4 codes
+    unpacked once): ``q4_in_place``'s scales and rotation, with no unpacking in the loops.
+    Compiled per head shape (``group`` query rows, ``d`` floats), so that its loops have
+    constant trip counts and unroll, as ``kvshelf.model.skinny``'s blocks do.
+
+    q (batch, kv, group, d), scaled; kc/vc (heads * width, d) uint8; ks/kz (heads * width //
+    BLOCK, d): a key block's scale and offset per channel, folded into the query; vs/vz
+    (heads * width, d // BLOCK): a value row's per group, folded into its weight."""
+    groups = d // BLOCK
+
+    @njit(parallel=True, fastmath=True, boundscheck=False)
+    def attend_codes(q: Any, kc: Any, ks: Any, kz: Any, vc: Any, vs: Any, vz: Any, splits: int, out: Any) -> None:
+        batch, kv = q.shape[0], q.shape[1]
+        width = kc.shape[0] // (batch * kv)
+        span = -(-width // splits)
+        tops = np.empty((batch * kv, splits, group), dtype=F32)
+        sums = np.empty((batch * kv, splits, group), dtype=F32)
+        parts = np.empty((batch * kv, splits, group, d), dtype=F32)
+        for job in prange(batch * kv * splits):
+            head = job // splits
+            part = job - head * splits
+            b = head // kv
+            h = head - b * kv
+            lo = part * span
+            n = min(width, lo + span) - lo
+            base = head * width
+            scores = np.empty((group, n), dtype=F32)
+            scaled = np.empty((group, d), dtype=F32)
+            offsets = np.empty(group, dtype=F32)
+            t = 0
+            while t < n:  # a key block at a time: its scales folded into the query
+                block = (base + lo + t) // BLOCK
+                stop = min(n, (block + 1) * BLOCK - base - lo)
+                for g in range(group):
+                    c = F32(0.0)
+                    for i in range(d):
+                        scaled[g, i] = q[b, h, g, i] * ks[block, i]
+                        c += q[b, h, g, i] * kz[block, i]
+                    offsets[g] = c
+                for u in range(t, stop):
+                    r = base + lo + u
+                    for g in range(group):
+                        s = F32(0.0)
+                        for i in range(d):
+                            s += scaled[g, i] * F32(kc[r, i])
+                        scores[g, u] = s + offsets[g]
+                t = stop
+            powers = np.empty(n, dtype=np.int32)
+            for g in range(group):
+                top = F32(-3.0e38)
+                for u in range(n):
+                    top = max(top, scores[g, u])
+                for u in range(n):
+                    e, powers[u] = vector_exp.parts(max(scores[g, u] - top, vector_exp.FLOOR))
+                    scores[g, u] = e
+                scales = powers.view(F32)
+                total = F32(0.0)
+                for u in range(n):
+                    e = scores[g, u] * scales[u]
+                    scores[g, u] = e
+                    total += e
+                tops[head, part, g] = top
+                sums[head, part, g] = total
+            acc = np.zeros((group, d), dtype=F32)
+            shifts = np.zeros((group, groups), dtype=F32)
+            for u in range(n):
+                r = base + lo + u
+                for g in range(group):
+                    w = scores[g, u]
+                    for grp in range(groups):
+                        a = w * vs[r, grp]
+                        shifts[g, grp] += w * vz[r, grp]
+                        for i in range(BLOCK):
+                            acc[g, grp * BLOCK + i] += a * F32(vc[r, grp * BLOCK + i])
+            for g in range(group):
+                for i in range(d):
+                    parts[head, part, g, i] = acc[g, i] + shifts[g, i // BLOCK]
+        for head in prange(batch * kv):
+            b = head // kv
+            h = head - b * kv
+            for g in range(group):
+                top = F32(-3.0e38)
+                for part in range(splits):
+                    top = max(top, tops[head, part, g])
+                total = F32(0.0)
+                for i in range(d):
+                    out[b, h, g, i] = 0.0
+                for part in range(splits):
+                    w = np.exp(tops[head, part, g] - top)
+                    total += w * sums[head, part, g]
+                    for i in range(d):
+                        out[b, h, g, i] += w * parts[head, part, g, i]
+                for i in range(d):
+                    out[b, h, g, i] /= total
+                for grp in range(groups):  # the rotation undone once per head, as in q4_in_place
+                    step = 1
+                    while step < BLOCK:
+                        for i0 in range(grp * BLOCK, (grp + 1) * BLOCK, 2 * step):
+                            for i in range(i0, i0 + step):
+                                x0, x1 = out[b, h, g, i], out[b, h, g, i + step]
+                                out[b, h, g, i] = x0 + x1
+                                out[b, h, g, i + step] = x0 - x1
+                        step *= 2
+                    for i in range(grp * BLOCK, (grp + 1) * BLOCK):
+                        out[b, h, g, i] *= F32(BLOCK**-0.5)
+
+    return attend_codes
+
+
 @njit(parallel=True, fastmath=True, boundscheck=False)
 def _parallel_sum(x: Any) -> Any:
     total = F32(0.0)
@@ -280,7 +396,9 @@ class Layer:
         self.kz = (-self.ks * F32(7.5)).astype(F32)
         self.vs = (rng.random((rows, d // BLOCK), dtype=F32) * F32(0.2)).astype(F32)
         self.vz = (-self.vs * F32(7.5)).astype(F32)
-        codes = lambda c: np.stack([c & 15, c >> 4], axis=-1).reshape(rows, d).astype(F32)  # noqa: E731
+        nibbles = lambda c: np.stack([c & 15, c >> 4], axis=-1).reshape(rows, d)  # noqa: E731
+        self.kc8, self.vc8 = nibbles(self.kc), nibbles(self.vc)  # one byte an element
+        codes = lambda c: nibbles(c).astype(F32)  # noqa: E731
         k = codes(self.kc) * np.repeat(self.ks, BLOCK, axis=0) + np.repeat(self.kz, BLOCK, axis=0)
         v_rotated = codes(self.vc) * np.repeat(self.vs, BLOCK, axis=1) + np.repeat(self.vz, BLOCK, axis=1)
         v = (v_rotated.reshape(rows, d // BLOCK, BLOCK) @ _hadamard(BLOCK)).reshape(rows, d)
@@ -297,6 +415,10 @@ class Layer:
     def q4_bytes(self) -> int:
         return sum(x.nbytes for x in (self.kc, self.vc, self.ks, self.kz, self.vs, self.vz))
 
+    @property
+    def q8_bytes(self) -> int:
+        return sum(x.nbytes for x in (self.kc8, self.vc8, self.ks, self.kz, self.vs, self.vz))
+
 
 def case(heads: int, kv: int, d: int, layers: int, batch: int, context: int, repeats: int) -> dict[str, Any]:
     rng = np.random.default_rng(batch * 1000 + context)
@@ -306,6 +428,7 @@ def case(heads: int, kv: int, d: int, layers: int, batch: int, context: int, rep
     grouped = np.ascontiguousarray((q * F32(scale)).reshape(batch, kv, heads // kv, d))
     per_head = grouped.reshape(batch * kv, heads // kv, d)
     splits = native_ops.column_splits(batch * kv, context)
+    in_bytes = q8_in_place(heads // kv, d)
     out = np.empty_like(grouped)
     s_rows = np.empty((batch * kv, heads // kv, context), dtype=F32)
     s_tiles = np.empty_like(s_rows)
@@ -325,6 +448,7 @@ def case(heads: int, kv: int, d: int, layers: int, batch: int, context: int, rep
         "scores_rows": timed(lambda x: scores_rows(per_head, x.k.reshape(batch * kv, context, d), s_rows), stack),
         "scores_tiles": timed(lambda x: scores_tiles(per_head, x.k_tiles, s_tiles), stack),
         "q4_in_place": timed(lambda x: q4_in_place(grouped, x.kc, x.ks, x.kz, x.vc, x.vs, x.vz, splits, out), stack),
+        "q8_in_place": timed(lambda x: in_bytes(grouped, x.kc8, x.ks, x.kz, x.vc8, x.vs, x.vz, splits, out), stack),
     }
     first = stack[0]
     dense = native_ops.attend(q, first.k, first.v, None, scale)
@@ -332,6 +456,8 @@ def case(heads: int, kv: int, d: int, layers: int, batch: int, context: int, rep
     scores_rows(per_head, first.k.reshape(batch * kv, context, d), s_rows)
     scores_tiles(per_head, first.k_tiles, s_tiles)
     q4_difference = float(np.abs(out.reshape(dense.shape) - dense).max())
+    in_bytes(grouped, first.kc8, first.ks, first.kz, first.vc8, first.vs, first.vz, splits, out)
+    q8_difference = float(np.abs(out.reshape(dense.shape) - dense).max())
     tiles_difference = float(np.abs(s_rows - s_tiles).max())
     times: dict[str, list[float]] = {name: [] for name in variants}
     for r in range(repeats + 2):
@@ -342,8 +468,10 @@ def case(heads: int, kv: int, d: int, layers: int, batch: int, context: int, rep
     dense_mb = sum(x.dense_bytes for x in stack) / 1e6
     key_mb = sum(x.k.nbytes for x in stack) / 1e6
     q4_mb = sum(x.q4_bytes for x in stack) / 1e6
+    q8_mb = sum(x.q8_bytes for x in stack) / 1e6
     ms = {name: round(statistics.median(t), 2) for name, t in times.items()}
-    read_mb = {"hot": dense_mb, "cold": dense_mb, "scores_rows": key_mb, "scores_tiles": key_mb, "q4_in_place": q4_mb}
+    read_mb = {"hot": dense_mb, "cold": dense_mb, "scores_rows": key_mb, "scores_tiles": key_mb}
+    read_mb.update(q4_in_place=q4_mb, q8_in_place=q8_mb)
     return {
         "ms": ms,
         "mb_read": {k: round(v, 1) for k, v in read_mb.items()},
@@ -351,6 +479,7 @@ def case(heads: int, kv: int, d: int, layers: int, batch: int, context: int, rep
         "gbs_of_rows": {k: round(read_mb[k] / 1e3 / (ms[k] / 1e3), 1) for k in ms},
         "layer_mb": round(first.dense_bytes / 1e6, 1),
         "q4_in_place_max_abs_difference": q4_difference,
+        "q8_in_place_max_abs_difference": q8_difference,
         "scores_tiles_max_abs_difference": tiles_difference,
     }
 
@@ -381,7 +510,8 @@ def main() -> None:
             f"scores rows {ms['scores_rows']} ({rate['scores_rows']}), tiles {ms['scores_tiles']} "
             f"({rate['scores_tiles']}); Q4 in place "
             f"{ms['q4_in_place']} ms ({row['mb_read']['q4_in_place']} MB; max |diff| "
-            f"{row['q4_in_place_max_abs_difference']:.1e})",
+            f"{row['q4_in_place_max_abs_difference']:.1e}); 8-bit codes in place {ms['q8_in_place']} ms "
+            f"({row['mb_read']['q8_in_place']} MB; max |diff| {row['q8_in_place_max_abs_difference']:.1e})",
             flush=True,
         )
     load_end = list(os.getloadavg())
