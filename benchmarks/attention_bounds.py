@@ -17,8 +17,8 @@ side by side in one run, for the embedded Gemma 3's heads (4 query heads on 1 KV
   lanes, none across them);
 - ``q4_in_place``: whole attention reading Q4 rows in place (4-bit codes, keys' per-channel
   scales for each block of 64 rows folded into the query, values' scales per row and group
-  of 64, the values' rotation undone once per head), a row unpacked at a time, checked
-  against ``attend`` over the same rows dequantized;
+  of 64, the values' rotation undone once per head), each byte unpacked as it is read,
+  compiled per head shape, checked against ``attend`` over the same rows dequantized;
 - ``q8_in_place``: the same with the codes one byte an element (twice Q4's bytes, a quarter
   of the working set's), compiled per head shape so that its loops unroll: it shows what
   unpacking nibbles costs, and whether codes read in place beat fp32 rows where memory
@@ -122,127 +122,136 @@ def scores_tiles(q: Any, kt: Any, out: Any) -> None:
                         out[h, g0 + g, tile * TILE + c] = s[g, c]
 
 
-@njit(fastmath=True, boundscheck=False)
-def _unpack(codes: Any, r: int, low: Any, high: Any) -> None:
-    """Row ``r``'s 4-bit codes as floats: the even elements (low nibbles) and the odd."""
-    for j in range(low.shape[0]):
-        x = np.int32(codes[r, j])
-        low[j] = F32(x & 15)
-        high[j] = F32(x >> 4)
-
-
-@njit(parallel=True, fastmath=True, boundscheck=False)
-def q4_in_place(q: Any, kc: Any, ks: Any, kz: Any, vc: Any, vs: Any, vz: Any, splits: int, out: Any) -> None:
-    """Decode attention over Q4 rows read in place, ``splits`` column ranges per head.
+@cache
+def q4_in_place(group: int, d: int) -> Any:
+    """Decode attention over Q4 rows read in place, compiled per head shape (``group`` query
+    rows, ``d`` floats) so that its loops have constant trip counts.
 
     q (batch, kv, group, d), scaled; kc/vc (heads * width, d // 2) uint8, two elements a
-    byte (low nibble first); ks/kz (heads * width // BLOCK, d): a key block's scale and
-    offset per channel; vs/vz (heads * width, d // BLOCK): a value row's per group. A key
-    block's scales go into the query once (q * scale, and q . offset added to each score);
-    a value row's scale into its weight. The values are rotated (Hadamard, groups of 64):
-    the weighted sum is taken rotated and turned back once per head."""
-    batch, kv, group, d = q.shape
-    half_d = d // 2
-    width = kc.shape[0] // (batch * kv)
-    span = -(-width // splits)
-    tops = np.empty((batch * kv, splits, group), dtype=F32)
-    sums = np.empty((batch * kv, splits, group), dtype=F32)
-    parts = np.empty((batch * kv, splits, group, d), dtype=F32)
-    for job in prange(batch * kv * splits):
-        head = job // splits
-        part = job - head * splits
-        b = head // kv
-        h = head - b * kv
-        lo = part * span
-        n = min(width, lo + span) - lo
-        base = head * width
-        scores = np.empty((group, n), dtype=F32)
-        powers = np.empty(n, dtype=np.int32)
-        q_even = np.empty((group, half_d), dtype=F32)
-        q_odd = np.empty((group, half_d), dtype=F32)
-        offsets = np.empty(group, dtype=F32)
-        low = np.empty(half_d, dtype=F32)
-        high = np.empty(half_d, dtype=F32)
-        t = 0
-        while t < n:  # a key block at a time: its scales folded into the query
-            block = (base + lo + t) // BLOCK
-            stop = min(n, (block + 1) * BLOCK - base - lo)
-            for g in range(group):
-                c = F32(0.0)
-                for j in range(half_d):
-                    q_even[g, j] = q[b, h, g, 2 * j] * ks[block, 2 * j]
-                    q_odd[g, j] = q[b, h, g, 2 * j + 1] * ks[block, 2 * j + 1]
-                    c += q[b, h, g, 2 * j] * kz[block, 2 * j] + q[b, h, g, 2 * j + 1] * kz[block, 2 * j + 1]
-                offsets[g] = c
-            for u in range(t, stop):
-                r = base + lo + u
-                _unpack(kc, r, low, high)
+    byte, the even one in the low nibble (a uint8 view of MLX's packed words); ks/kz (heads
+    * width // BLOCK, d): a key block's scale and offset per channel; vs/vz (heads * width,
+    d // BLOCK): a value row's per group. A key block's scales go into the query once (q *
+    scale, and q . offset added to each score); a value row's scale into its weight. The
+    values are rotated (Hadamard, groups of 64): the weighted sum is taken rotated and
+    turned back once per head.
+
+    A byte is unpacked in floats: its high nibble ``floor(x / 16)``, its low one ``x - 16 *
+    high``. Integer masks and shifts are typed 64-bit by numba, and their loops came out
+    about twice as slow: the llama's heads at 1K, batch 1, took 5.57 ms that way and 2.85
+    this way, at 16K 71.0 and 55.2 (two scratch runs minutes apart, 2026-12-07, in which
+    ``attend`` over fp32 rows took 4.57 and 4.64 ms, 45.1 and 64.8). The prototype before
+    this one, which unpacked a row at a time into arrays, was slower than fp32 rows on the
+    llama (``results/attention-bounds-20261207-150638.json``)."""
+    half = d // 2
+    groups = d // BLOCK
+    half_block = BLOCK // 2
+
+    @njit(parallel=True, fastmath=True, boundscheck=False)
+    def attend_q4(q: Any, kc: Any, ks: Any, kz: Any, vc: Any, vs: Any, vz: Any, splits: int, out: Any) -> None:
+        batch, kv = q.shape[0], q.shape[1]
+        width = kc.shape[0] // (batch * kv)
+        span = -(-width // splits)
+        tops = np.empty((batch * kv, splits, group), dtype=F32)
+        sums = np.empty((batch * kv, splits, group), dtype=F32)
+        parts = np.empty((batch * kv, splits, group, d), dtype=F32)
+        for job in prange(batch * kv * splits):
+            head = job // splits
+            part = job - head * splits
+            b = head // kv
+            h = head - b * kv
+            lo = part * span
+            n = min(width, lo + span) - lo
+            base = head * width
+            scores = np.empty((group, n), dtype=F32)
+            q_even = np.empty((group, half), dtype=F32)
+            q_odd = np.empty((group, half), dtype=F32)
+            offsets = np.empty(group, dtype=F32)
+            t = 0
+            while t < n:
+                block = (base + lo + t) // BLOCK
+                stop = min(n, (block + 1) * BLOCK - base - lo)
                 for g in range(group):
-                    s = F32(0.0)
-                    for j in range(half_d):
-                        s += q_even[g, j] * low[j] + q_odd[g, j] * high[j]
-                    scores[g, u] = s + offsets[g]
-            t = stop
-        for g in range(group):
-            top = F32(-3.0e38)
-            for u in range(n):
-                top = max(top, scores[g, u])
-            for u in range(n):
-                e, powers[u] = vector_exp.parts(max(scores[g, u] - top, vector_exp.FLOOR))
-                scores[g, u] = e
-            scales = powers.view(F32)
-            total = F32(0.0)
-            for u in range(n):
-                e = scores[g, u] * scales[u]
-                scores[g, u] = e
-                total += e
-            tops[head, part, g] = top
-            sums[head, part, g] = total
-        acc_even = np.zeros((group, half_d), dtype=F32)
-        acc_odd = np.zeros((group, half_d), dtype=F32)
-        shifts = np.zeros((group, d // BLOCK), dtype=F32)
-        for u in range(n):
-            r = base + lo + u
-            _unpack(vc, r, low, high)
+                    c = F32(0.0)
+                    for j in range(half):
+                        q_even[g, j] = q[b, h, g, 2 * j] * ks[block, 2 * j]
+                        q_odd[g, j] = q[b, h, g, 2 * j + 1] * ks[block, 2 * j + 1]
+                        c += q[b, h, g, 2 * j] * kz[block, 2 * j] + q[b, h, g, 2 * j + 1] * kz[block, 2 * j + 1]
+                    offsets[g] = c
+                for u in range(t, stop):
+                    r = base + lo + u
+                    for g in range(group):
+                        s = F32(0.0)
+                        for j in range(half):
+                            xf = F32(kc[r, j])
+                            hi = np.floor(xf * F32(0.0625))
+                            s += q_even[g, j] * (xf - F32(16.0) * hi) + q_odd[g, j] * hi
+                        scores[g, u] = s + offsets[g]
+                t = stop
+            powers = np.empty(n, dtype=np.int32)
             for g in range(group):
-                w = scores[g, u]
-                for grp in range(d // BLOCK):
-                    a = w * vs[r, grp]
-                    shifts[g, grp] += w * vz[r, grp]
-                    for j in range(grp * BLOCK // 2, (grp + 1) * BLOCK // 2):
-                        acc_even[g, j] += a * low[j]
-                        acc_odd[g, j] += a * high[j]
-        for g in range(group):
-            for j in range(half_d):
-                parts[head, part, g, 2 * j] = acc_even[g, j] + shifts[g, 2 * j // BLOCK]
-                parts[head, part, g, 2 * j + 1] = acc_odd[g, j] + shifts[g, 2 * j // BLOCK]
-    for head in prange(batch * kv):
-        b = head // kv
-        h = head - b * kv
-        for g in range(group):
-            top = F32(-3.0e38)
-            for part in range(splits):
-                top = max(top, tops[head, part, g])
-            total = F32(0.0)
-            out[b, h, g, :] = 0.0
-            for part in range(splits):
-                w = np.exp(tops[head, part, g] - top)
-                total += w * sums[head, part, g]
+                top = F32(-3.0e38)
+                for u in range(n):
+                    top = max(top, scores[g, u])
+                for u in range(n):
+                    e, powers[u] = vector_exp.parts(max(scores[g, u] - top, vector_exp.FLOOR))
+                    scores[g, u] = e
+                scales = powers.view(F32)
+                total = F32(0.0)
+                for u in range(n):
+                    e = scores[g, u] * scales[u]
+                    scores[g, u] = e
+                    total += e
+                tops[head, part, g] = top
+                sums[head, part, g] = total
+            acc_even = np.zeros((group, half), dtype=F32)
+            acc_odd = np.zeros((group, half), dtype=F32)
+            shifts = np.zeros((group, groups), dtype=F32)
+            for u in range(n):
+                r = base + lo + u
+                for g in range(group):
+                    w = scores[g, u]
+                    for grp in range(groups):
+                        a = w * vs[r, grp]
+                        shifts[g, grp] += w * vz[r, grp]
+                        for j in range(grp * half_block, grp * half_block + half_block):
+                            xf = F32(vc[r, j])
+                            hi = np.floor(xf * F32(0.0625))
+                            acc_even[g, j] += a * (xf - F32(16.0) * hi)
+                            acc_odd[g, j] += a * hi
+            for g in range(group):
+                for j in range(half):
+                    parts[head, part, g, 2 * j] = acc_even[g, j] + shifts[g, (2 * j) // BLOCK]
+                    parts[head, part, g, 2 * j + 1] = acc_odd[g, j] + shifts[g, (2 * j) // BLOCK]
+        for head in prange(batch * kv):
+            b = head // kv
+            h = head - b * kv
+            for g in range(group):
+                top = F32(-3.0e38)
+                for part in range(splits):
+                    top = max(top, tops[head, part, g])
+                total = F32(0.0)
                 for i in range(d):
-                    out[b, h, g, i] += w * parts[head, part, g, i]
-            for i in range(d):
-                out[b, h, g, i] /= total
-            for grp in range(d // BLOCK):  # the rotation undone: a normalized Hadamard is its own inverse
-                step = 1
-                while step < BLOCK:
-                    for i0 in range(grp * BLOCK, (grp + 1) * BLOCK, 2 * step):
-                        for i in range(i0, i0 + step):
-                            x0, x1 = out[b, h, g, i], out[b, h, g, i + step]
-                            out[b, h, g, i] = x0 + x1
-                            out[b, h, g, i + step] = x0 - x1
-                    step *= 2
-                for i in range(grp * BLOCK, (grp + 1) * BLOCK):
-                    out[b, h, g, i] *= F32(BLOCK**-0.5)
+                    out[b, h, g, i] = 0.0
+                for part in range(splits):
+                    w = np.exp(tops[head, part, g] - top)
+                    total += w * sums[head, part, g]
+                    for i in range(d):
+                        out[b, h, g, i] += w * parts[head, part, g, i]
+                for i in range(d):
+                    out[b, h, g, i] /= total
+                for grp in range(groups):
+                    step = 1
+                    while step < BLOCK:
+                        for i0 in range(grp * BLOCK, (grp + 1) * BLOCK, 2 * step):
+                            for i in range(i0, i0 + step):
+                                x0, x1 = out[b, h, g, i], out[b, h, g, i + step]
+                                out[b, h, g, i] = x0 + x1
+                                out[b, h, g, i + step] = x0 - x1
+                        step *= 2
+                    for i in range(grp * BLOCK, (grp + 1) * BLOCK):
+                        out[b, h, g, i] *= F32(BLOCK**-0.5)
+
+    return attend_q4
 
 
 @cache
@@ -428,7 +437,7 @@ def case(heads: int, kv: int, d: int, layers: int, batch: int, context: int, rep
     grouped = np.ascontiguousarray((q * F32(scale)).reshape(batch, kv, heads // kv, d))
     per_head = grouped.reshape(batch * kv, heads // kv, d)
     splits = native_ops.column_splits(batch * kv, context)
-    in_bytes = q8_in_place(heads // kv, d)
+    in_nibbles, in_bytes = q4_in_place(heads // kv, d), q8_in_place(heads // kv, d)
     out = np.empty_like(grouped)
     s_rows = np.empty((batch * kv, heads // kv, context), dtype=F32)
     s_tiles = np.empty_like(s_rows)
@@ -447,12 +456,12 @@ def case(heads: int, kv: int, d: int, layers: int, batch: int, context: int, rep
         "cold": timed(lambda x: native_ops.attend(q, x.k, x.v, None, scale), stack),
         "scores_rows": timed(lambda x: scores_rows(per_head, x.k.reshape(batch * kv, context, d), s_rows), stack),
         "scores_tiles": timed(lambda x: scores_tiles(per_head, x.k_tiles, s_tiles), stack),
-        "q4_in_place": timed(lambda x: q4_in_place(grouped, x.kc, x.ks, x.kz, x.vc, x.vs, x.vz, splits, out), stack),
+        "q4_in_place": timed(lambda x: in_nibbles(grouped, x.kc, x.ks, x.kz, x.vc, x.vs, x.vz, splits, out), stack),
         "q8_in_place": timed(lambda x: in_bytes(grouped, x.kc8, x.ks, x.kz, x.vc8, x.vs, x.vz, splits, out), stack),
     }
     first = stack[0]
     dense = native_ops.attend(q, first.k, first.v, None, scale)
-    q4_in_place(grouped, first.kc, first.ks, first.kz, first.vc, first.vs, first.vz, splits, out)
+    in_nibbles(grouped, first.kc, first.ks, first.kz, first.vc, first.vs, first.vz, splits, out)
     scores_rows(per_head, first.k.reshape(batch * kv, context, d), s_rows)
     scores_tiles(per_head, first.k_tiles, s_tiles)
     q4_difference = float(np.abs(out.reshape(dense.shape) - dense).max())
