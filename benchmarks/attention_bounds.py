@@ -11,10 +11,11 @@ side by side in one run, for the embedded Gemma 3's heads (4 query heads on 1 KV
   attention) over one layer's K/V every time, which stays in the last-level cache, and
   over every layer's own, which comes from memory. If the loops ran at memory's pace,
   hot would be much faster than cold;
-- ``scores_rows`` / ``scores_tiles``: the scores alone, with keys as the working set lays
+- ``scores_rows`` / ``scores_tiles`` / ``scores_kivi``: the scores alone, with keys as the working set lays
   them out (a row per column: each score ends in a horizontal sum of a vector), and with
   keys in tiles of 16 columns laid out dimension by dimension (the sums run down the
-  lanes, none across them);
+  lanes, none across them), and with keys read in place as the default scheme keeps them
+  at rest (``scores_kivi``: per-channel 4-bit blocks, themselves laid out like tiles);
 - ``q4_in_place``: whole attention reading Q4 rows in place (4-bit codes, keys' per-channel
   scales for each block of 64 rows folded into the query, values' scales per row and group
   of 64, the values' rotation undone once per head), each byte unpacked as it is read,
@@ -55,6 +56,7 @@ from kvshelf.model.jit import njit, prange
 F32 = np.float32
 BLOCK = 64  # rows of a key block (per-channel scales) and elements of a value group (per-row scales)
 TILE = 16  # key columns a tile holds, one vector's lanes
+KIVI_BLOCK = 256  # tokens of a per-channel key block at rest (kvshelf.model.spec.BLOCK_TOKENS)
 
 # (model, query heads, KV heads, head dim, layers, batch, context)
 CASES = (
@@ -120,6 +122,51 @@ def scores_tiles(q: Any, kt: Any, out: Any) -> None:
                 for g in range(rows):
                     for c in range(TILE):
                         out[h, g0 + g, tile * TILE + c] = s[g, c]
+
+
+@cache
+def scores_kivi(group: int, d: int) -> Any:
+    """Scores with keys read in place as the default scheme keeps them at rest (KIVI): each
+    block of ``KIVI_BLOCK`` tokens quantized per channel in groups of ``BLOCK`` tokens, a
+    channel's codes contiguous (two tokens a byte, the even one in the low nibble), so the
+    sums run down the lanes over tokens, as in ``scores_tiles``, from 4-bit codes. A group's
+    scale goes into the query element, its offset into one sum a query row. Compiled per
+    head shape.
+
+    q (heads, group, d), scaled; kc (heads, blocks, d, KIVI_BLOCK // 2) uint8; ks/kz (heads,
+    blocks, d, KIVI_BLOCK // BLOCK)."""
+    groups = KIVI_BLOCK // BLOCK
+    half_group = BLOCK // 2
+
+    @njit(parallel=True, fastmath=True, boundscheck=False)
+    def scores(q: Any, kc: Any, ks: Any, kz: Any, out: Any) -> None:
+        heads, blocks = kc.shape[0], kc.shape[1]
+        for job in prange(heads * blocks):
+            h = job // blocks
+            block = job - h * blocks
+            for grp in range(groups):
+                even = np.zeros((group, half_group), dtype=F32)
+                odd = np.zeros((group, half_group), dtype=F32)
+                offsets = np.zeros(group, dtype=F32)
+                scaled = np.empty(group, dtype=F32)
+                for c in range(d):
+                    for g in range(group):
+                        scaled[g] = q[h, g, c] * ks[h, block, c, grp]
+                        offsets[g] += q[h, g, c] * kz[h, block, c, grp]
+                    for j in range(half_group):
+                        xf = F32(kc[h, block, c, grp * half_group + j])
+                        high = np.floor(xf * F32(0.0625))
+                        low = xf - F32(16.0) * high
+                        for g in range(group):
+                            even[g, j] += scaled[g] * low
+                            odd[g, j] += scaled[g] * high
+                first = block * KIVI_BLOCK + grp * BLOCK
+                for g in range(group):
+                    for j in range(half_group):
+                        out[h, g, first + 2 * j] = even[g, j] + offsets[g]
+                        out[h, g, first + 2 * j + 1] = odd[g, j] + offsets[g]
+
+    return scores
 
 
 @cache
@@ -415,6 +462,14 @@ class Layer:
         self.v = v.reshape(batch, kv, width, d).astype(F32)
         heads_k = self.k.reshape(batch * kv, width, d)
         self.k_tiles = np.ascontiguousarray(heads_k.reshape(batch * kv, width // TILE, TILE, d).transpose(0, 1, 3, 2))
+        # the same keys at rest as KIVI keeps them: per block, channel by channel, two tokens a byte
+        blocks = width // KIVI_BLOCK
+        by_channel = self.kc8.reshape(batch * kv, blocks, KIVI_BLOCK, d).transpose(0, 1, 3, 2)
+        self.kc_kivi = np.ascontiguousarray(by_channel[..., 0::2] | (by_channel[..., 1::2] << 4))
+        per_group = lambda x: np.ascontiguousarray(  # noqa: E731
+            x.reshape(batch * kv, blocks, KIVI_BLOCK // BLOCK, d).transpose(0, 1, 3, 2)
+        )
+        self.ks_kivi, self.kz_kivi = per_group(self.ks), per_group(self.kz)
 
     @property
     def dense_bytes(self) -> int:
@@ -423,6 +478,10 @@ class Layer:
     @property
     def q4_bytes(self) -> int:
         return sum(x.nbytes for x in (self.kc, self.vc, self.ks, self.kz, self.vs, self.vz))
+
+    @property
+    def kivi_key_bytes(self) -> int:
+        return sum(x.nbytes for x in (self.kc_kivi, self.ks_kivi, self.kz_kivi))
 
     @property
     def q8_bytes(self) -> int:
@@ -441,6 +500,8 @@ def case(heads: int, kv: int, d: int, layers: int, batch: int, context: int, rep
     out = np.empty_like(grouped)
     s_rows = np.empty((batch * kv, heads // kv, context), dtype=F32)
     s_tiles = np.empty_like(s_rows)
+    s_kivi = np.empty_like(s_rows)
+    kivi = scores_kivi(heads // kv, d)
 
     def timed(fn: Callable[[Layer], Any], layers_read: list[Layer]) -> Callable[[], float]:
         def run() -> float:
@@ -456,6 +517,7 @@ def case(heads: int, kv: int, d: int, layers: int, batch: int, context: int, rep
         "cold": timed(lambda x: native_ops.attend(q, x.k, x.v, None, scale), stack),
         "scores_rows": timed(lambda x: scores_rows(per_head, x.k.reshape(batch * kv, context, d), s_rows), stack),
         "scores_tiles": timed(lambda x: scores_tiles(per_head, x.k_tiles, s_tiles), stack),
+        "scores_kivi": timed(lambda x: kivi(per_head, x.kc_kivi, x.ks_kivi, x.kz_kivi, s_kivi), stack),
         "q4_in_place": timed(lambda x: in_nibbles(grouped, x.kc, x.ks, x.kz, x.vc, x.vs, x.vz, splits, out), stack),
         "q8_in_place": timed(lambda x: in_bytes(grouped, x.kc8, x.ks, x.kz, x.vc8, x.vs, x.vz, splits, out), stack),
     }
@@ -464,10 +526,12 @@ def case(heads: int, kv: int, d: int, layers: int, batch: int, context: int, rep
     in_nibbles(grouped, first.kc, first.ks, first.kz, first.vc, first.vs, first.vz, splits, out)
     scores_rows(per_head, first.k.reshape(batch * kv, context, d), s_rows)
     scores_tiles(per_head, first.k_tiles, s_tiles)
+    kivi(per_head, first.kc_kivi, first.ks_kivi, first.kz_kivi, s_kivi)
     q4_difference = float(np.abs(out.reshape(dense.shape) - dense).max())
     in_bytes(grouped, first.kc8, first.ks, first.kz, first.vc8, first.vs, first.vz, splits, out)
     q8_difference = float(np.abs(out.reshape(dense.shape) - dense).max())
     tiles_difference = float(np.abs(s_rows - s_tiles).max())
+    kivi_difference = float(np.abs(s_rows - s_kivi).max())
     times: dict[str, list[float]] = {name: [] for name in variants}
     for r in range(repeats + 2):
         for name, run in variants.items():
@@ -480,6 +544,7 @@ def case(heads: int, kv: int, d: int, layers: int, batch: int, context: int, rep
     q8_mb = sum(x.q8_bytes for x in stack) / 1e6
     ms = {name: round(statistics.median(t), 2) for name, t in times.items()}
     read_mb = {"hot": dense_mb, "cold": dense_mb, "scores_rows": key_mb, "scores_tiles": key_mb}
+    read_mb["scores_kivi"] = sum(x.kivi_key_bytes for x in stack) / 1e6
     read_mb.update(q4_in_place=q4_mb, q8_in_place=q8_mb)
     return {
         "ms": ms,
@@ -490,6 +555,7 @@ def case(heads: int, kv: int, d: int, layers: int, batch: int, context: int, rep
         "q4_in_place_max_abs_difference": q4_difference,
         "q8_in_place_max_abs_difference": q8_difference,
         "scores_tiles_max_abs_difference": tiles_difference,
+        "scores_kivi_max_abs_difference": kivi_difference,
     }
 
 
@@ -517,7 +583,8 @@ def main() -> None:
             f"{name} batch {batch} at {context} (a layer {row['layer_mb']} MB): attend hot {ms['hot']} ms "
             f"({rate['hot']} GB/s of rows), cold {ms['cold']} ({rate['cold']}; the floor {row['cold_floor_ms']}); "
             f"scores rows {ms['scores_rows']} ({rate['scores_rows']}), tiles {ms['scores_tiles']} "
-            f"({rate['scores_tiles']}); Q4 in place "
+            f"({rate['scores_tiles']}), KIVI blocks in place {ms['scores_kivi']} ({row['mb_read']['scores_kivi']} MB; "
+            f"max |diff| {row['scores_kivi_max_abs_difference']:.1e}); Q4 in place "
             f"{ms['q4_in_place']} ms ({row['mb_read']['q4_in_place']} MB; max |diff| "
             f"{row['q4_in_place_max_abs_difference']:.1e}); 8-bit codes in place {ms['q8_in_place']} ms "
             f"({row['mb_read']['q8_in_place']} MB; max |diff| {row['q8_in_place_max_abs_difference']:.1e})",
