@@ -23,7 +23,9 @@ side by side in one run, for the embedded Gemma 3's heads (4 query heads on 1 KV
 - ``q8_in_place``: the same with the codes one byte an element (twice Q4's bytes, a quarter
   of the working set's), compiled per head shape so that its loops unroll: it shows what
   unpacking nibbles costs, and whether codes read in place beat fp32 rows where memory
-  is slow against the cores.
+  is slow against the cores;
+- ``q4_at_rest``: ``q4_in_place`` with the keys as ``scores_kivi`` reads them: whole
+  attention straight on an agent's blocks as the default scheme keeps them.
 
 These are measuring kernels, not kvshelf's: they say what a change of layout would buy
 before the working set is rebuilt around one.
@@ -125,18 +127,56 @@ def scores_tiles(q: Any, kt: Any, out: Any) -> None:
 
 
 @cache
+def _kivi_block_scores(group: int, d: int) -> Any:
+    """The scores of ``n`` tokens from ``lo`` (a block boundary) with keys read in place as
+    the default scheme keeps them at rest (KIVI): each block of ``KIVI_BLOCK`` tokens
+    quantized per channel in groups of ``BLOCK`` tokens, a channel's codes contiguous (two
+    tokens a byte, the even one in the low nibble), so the sums run down the lanes over
+    tokens, as in ``scores_tiles``, from 4-bit codes. A group's scale goes into the query
+    element, its offset into one sum a query row.
+
+    q (group, d), scaled; kc (blocks, d, KIVI_BLOCK // 2) uint8; ks/kz (blocks, d,
+    KIVI_BLOCK // BLOCK); scores (group, >= n): column ``u`` is token ``lo + u``."""
+    half_group = BLOCK // 2
+
+    @njit(fastmath=True, boundscheck=False)
+    def block_scores(q: Any, kc: Any, ks: Any, kz: Any, lo: int, n: int, scores: Any) -> None:
+        even = np.empty((group, half_group), dtype=F32)
+        odd = np.empty((group, half_group), dtype=F32)
+        offsets = np.empty(group, dtype=F32)
+        scaled = np.empty(group, dtype=F32)
+        for first in range(lo, lo + n, BLOCK):
+            block, grp = first // KIVI_BLOCK, (first % KIVI_BLOCK) // BLOCK
+            even[:] = 0.0
+            odd[:] = 0.0
+            offsets[:] = 0.0
+            for c in range(d):
+                for g in range(group):
+                    scaled[g] = q[g, c] * ks[block, c, grp]
+                    offsets[g] += q[g, c] * kz[block, c, grp]
+                for j in range(half_group):
+                    xf = F32(kc[block, c, grp * half_group + j])
+                    high = np.floor(xf * F32(0.0625))
+                    low = xf - F32(16.0) * high
+                    for g in range(group):
+                        even[g, j] += scaled[g] * low
+                        odd[g, j] += scaled[g] * high
+            for g in range(group):
+                for j in range(half_group):
+                    scores[g, first - lo + 2 * j] = even[g, j] + offsets[g]
+                    scores[g, first - lo + 2 * j + 1] = odd[g, j] + offsets[g]
+
+    return block_scores
+
+
+@cache
 def scores_kivi(group: int, d: int) -> Any:
-    """Scores with keys read in place as the default scheme keeps them at rest (KIVI): each
-    block of ``KIVI_BLOCK`` tokens quantized per channel in groups of ``BLOCK`` tokens, a
-    channel's codes contiguous (two tokens a byte, the even one in the low nibble), so the
-    sums run down the lanes over tokens, as in ``scores_tiles``, from 4-bit codes. A group's
-    scale goes into the query element, its offset into one sum a query row. Compiled per
-    head shape.
+    """Scores with keys read in place as KIVI keeps them at rest (``_kivi_block_scores``), a
+    block of every head a job. Compiled per head shape.
 
     q (heads, group, d), scaled; kc (heads, blocks, d, KIVI_BLOCK // 2) uint8; ks/kz (heads,
-    blocks, d, KIVI_BLOCK // BLOCK)."""
-    groups = KIVI_BLOCK // BLOCK
-    half_group = BLOCK // 2
+    blocks, d, KIVI_BLOCK // BLOCK); out (heads, group, width)."""
+    block_scores = _kivi_block_scores(group, d)
 
     @njit(parallel=True, fastmath=True, boundscheck=False)
     def scores(q: Any, kc: Any, ks: Any, kz: Any, out: Any) -> None:
@@ -144,33 +184,14 @@ def scores_kivi(group: int, d: int) -> Any:
         for job in prange(heads * blocks):
             h = job // blocks
             block = job - h * blocks
-            for grp in range(groups):
-                even = np.zeros((group, half_group), dtype=F32)
-                odd = np.zeros((group, half_group), dtype=F32)
-                offsets = np.zeros(group, dtype=F32)
-                scaled = np.empty(group, dtype=F32)
-                for c in range(d):
-                    for g in range(group):
-                        scaled[g] = q[h, g, c] * ks[h, block, c, grp]
-                        offsets[g] += q[h, g, c] * kz[h, block, c, grp]
-                    for j in range(half_group):
-                        xf = F32(kc[h, block, c, grp * half_group + j])
-                        high = np.floor(xf * F32(0.0625))
-                        low = xf - F32(16.0) * high
-                        for g in range(group):
-                            even[g, j] += scaled[g] * low
-                            odd[g, j] += scaled[g] * high
-                first = block * KIVI_BLOCK + grp * BLOCK
-                for g in range(group):
-                    for j in range(half_group):
-                        out[h, g, first + 2 * j] = even[g, j] + offsets[g]
-                        out[h, g, first + 2 * j + 1] = odd[g, j] + offsets[g]
+            lo = block * KIVI_BLOCK
+            block_scores(q[h], kc[h], ks[h], kz[h], lo, KIVI_BLOCK, out[h, :, lo : lo + KIVI_BLOCK])
 
     return scores
 
 
 @cache
-def q4_in_place(group: int, d: int) -> Any:
+def q4_in_place(group: int, d: int, kivi_keys: bool = False) -> Any:
     """Decode attention over Q4 rows read in place, compiled per head shape (``group`` query
     rows, ``d`` floats) so that its loops have constant trip counts.
 
@@ -188,16 +209,57 @@ def q4_in_place(group: int, d: int) -> Any:
     this way, at 16K 71.0 and 55.2 (two scratch runs minutes apart, 2026-12-07, in which
     ``attend`` over fp32 rows took 4.57 and 4.64 ms, 45.1 and 64.8). The prototype before
     this one, which unpacked a row at a time into arrays, was slower than fp32 rows on the
-    llama (``results/attention-bounds-20261207-150638.json``)."""
+    llama (``results/attention-bounds-20261207-150638.json``).
+
+    With ``kivi_keys`` the keys are read as the default scheme keeps them at rest instead
+    (``_kivi_block_scores``: kc, ks and kz as ``scores_kivi`` takes them; each job's columns
+    start at a block), the values as before: attention straight on an agent's blocks."""
     half = d // 2
     groups = d // BLOCK
     half_block = BLOCK // 2
 
+    @njit(fastmath=True, boundscheck=False)
+    def row_scores(q: Any, kc: Any, ks: Any, kz: Any, head: int, base: int, lo: int, n: int, scores: Any) -> None:
+        """Rows ``base + lo ..`` of Q4 keys, a key block's scales folded into the query."""
+        q_even = np.empty((group, half), dtype=F32)
+        q_odd = np.empty((group, half), dtype=F32)
+        offsets = np.empty(group, dtype=F32)
+        t = 0
+        while t < n:
+            block = (base + lo + t) // BLOCK
+            stop = min(n, (block + 1) * BLOCK - base - lo)
+            for g in range(group):
+                c = F32(0.0)
+                for j in range(half):
+                    q_even[g, j] = q[g, 2 * j] * ks[block, 2 * j]
+                    q_odd[g, j] = q[g, 2 * j + 1] * ks[block, 2 * j + 1]
+                    c += q[g, 2 * j] * kz[block, 2 * j] + q[g, 2 * j + 1] * kz[block, 2 * j + 1]
+                offsets[g] = c
+            for u in range(t, stop):
+                r = base + lo + u
+                for g in range(group):
+                    s = F32(0.0)
+                    for j in range(half):
+                        xf = F32(kc[r, j])
+                        hi = np.floor(xf * F32(0.0625))
+                        s += q_even[g, j] * (xf - F32(16.0) * hi) + q_odd[g, j] * hi
+                    scores[g, u] = s + offsets[g]
+            t = stop
+
+    block_scores = _kivi_block_scores(group, d)
+
+    @njit(fastmath=True, boundscheck=False)
+    def kivi_scores(q: Any, kc: Any, ks: Any, kz: Any, head: int, base: int, lo: int, n: int, scores: Any) -> None:
+        block_scores(q, kc[head], ks[head], kz[head], lo, n, scores)
+
+    key_scores = kivi_scores if kivi_keys else row_scores
+    aligned = KIVI_BLOCK if kivi_keys else 1  # where a job's columns may start
+
     @njit(parallel=True, fastmath=True, boundscheck=False)
     def attend_q4(q: Any, kc: Any, ks: Any, kz: Any, vc: Any, vs: Any, vz: Any, splits: int, out: Any) -> None:
         batch, kv = q.shape[0], q.shape[1]
-        width = kc.shape[0] // (batch * kv)
-        span = -(-width // splits)
+        width = vc.shape[0] // (batch * kv)
+        span = -(-width // splits // aligned) * aligned
         tops = np.empty((batch * kv, splits, group), dtype=F32)
         sums = np.empty((batch * kv, splits, group), dtype=F32)
         parts = np.empty((batch * kv, splits, group, d), dtype=F32)
@@ -207,33 +269,10 @@ def q4_in_place(group: int, d: int) -> Any:
             b = head // kv
             h = head - b * kv
             lo = part * span
-            n = min(width, lo + span) - lo
+            n = max(min(width, lo + span) - lo, 0)
             base = head * width
             scores = np.empty((group, n), dtype=F32)
-            q_even = np.empty((group, half), dtype=F32)
-            q_odd = np.empty((group, half), dtype=F32)
-            offsets = np.empty(group, dtype=F32)
-            t = 0
-            while t < n:
-                block = (base + lo + t) // BLOCK
-                stop = min(n, (block + 1) * BLOCK - base - lo)
-                for g in range(group):
-                    c = F32(0.0)
-                    for j in range(half):
-                        q_even[g, j] = q[b, h, g, 2 * j] * ks[block, 2 * j]
-                        q_odd[g, j] = q[b, h, g, 2 * j + 1] * ks[block, 2 * j + 1]
-                        c += q[b, h, g, 2 * j] * kz[block, 2 * j] + q[b, h, g, 2 * j + 1] * kz[block, 2 * j + 1]
-                    offsets[g] = c
-                for u in range(t, stop):
-                    r = base + lo + u
-                    for g in range(group):
-                        s = F32(0.0)
-                        for j in range(half):
-                            xf = F32(kc[r, j])
-                            hi = np.floor(xf * F32(0.0625))
-                            s += q_even[g, j] * (xf - F32(16.0) * hi) + q_odd[g, j] * hi
-                        scores[g, u] = s + offsets[g]
-                t = stop
+            key_scores(q[b, h], kc, ks, kz, head, base, lo, n, scores)
             powers = np.empty(n, dtype=np.int32)
             for g in range(group):
                 top = F32(-3.0e38)
@@ -327,7 +366,7 @@ def q8_in_place(group: int, d: int) -> Any:
             b = head // kv
             h = head - b * kv
             lo = part * span
-            n = min(width, lo + span) - lo
+            n = max(min(width, lo + span) - lo, 0)
             base = head * width
             scores = np.empty((group, n), dtype=F32)
             scaled = np.empty((group, d), dtype=F32)
@@ -480,6 +519,10 @@ class Layer:
         return sum(x.nbytes for x in (self.kc, self.vc, self.ks, self.kz, self.vs, self.vz))
 
     @property
+    def q4_value_bytes(self) -> int:
+        return sum(x.nbytes for x in (self.vc, self.vs, self.vz))
+
+    @property
     def kivi_key_bytes(self) -> int:
         return sum(x.nbytes for x in (self.kc_kivi, self.ks_kivi, self.kz_kivi))
 
@@ -497,6 +540,7 @@ def case(heads: int, kv: int, d: int, layers: int, batch: int, context: int, rep
     per_head = grouped.reshape(batch * kv, heads // kv, d)
     splits = native_ops.column_splits(batch * kv, context)
     in_nibbles, in_bytes = q4_in_place(heads // kv, d), q8_in_place(heads // kv, d)
+    at_rest = q4_in_place(heads // kv, d, kivi_keys=True)
     out = np.empty_like(grouped)
     s_rows = np.empty((batch * kv, heads // kv, context), dtype=F32)
     s_tiles = np.empty_like(s_rows)
@@ -520,6 +564,9 @@ def case(heads: int, kv: int, d: int, layers: int, batch: int, context: int, rep
         "scores_kivi": timed(lambda x: kivi(per_head, x.kc_kivi, x.ks_kivi, x.kz_kivi, s_kivi), stack),
         "q4_in_place": timed(lambda x: in_nibbles(grouped, x.kc, x.ks, x.kz, x.vc, x.vs, x.vz, splits, out), stack),
         "q8_in_place": timed(lambda x: in_bytes(grouped, x.kc8, x.ks, x.kz, x.vc8, x.vs, x.vz, splits, out), stack),
+        "q4_at_rest": timed(
+            lambda x: at_rest(grouped, x.kc_kivi, x.ks_kivi, x.kz_kivi, x.vc, x.vs, x.vz, splits, out), stack
+        ),
     }
     first = stack[0]
     dense = native_ops.attend(q, first.k, first.v, None, scale)
@@ -530,6 +577,8 @@ def case(heads: int, kv: int, d: int, layers: int, batch: int, context: int, rep
     q4_difference = float(np.abs(out.reshape(dense.shape) - dense).max())
     in_bytes(grouped, first.kc8, first.ks, first.kz, first.vc8, first.vs, first.vz, splits, out)
     q8_difference = float(np.abs(out.reshape(dense.shape) - dense).max())
+    at_rest(grouped, first.kc_kivi, first.ks_kivi, first.kz_kivi, first.vc, first.vs, first.vz, splits, out)
+    at_rest_difference = float(np.abs(out.reshape(dense.shape) - dense).max())
     tiles_difference = float(np.abs(s_rows - s_tiles).max())
     kivi_difference = float(np.abs(s_rows - s_kivi).max())
     times: dict[str, list[float]] = {name: [] for name in variants}
@@ -546,6 +595,7 @@ def case(heads: int, kv: int, d: int, layers: int, batch: int, context: int, rep
     read_mb = {"hot": dense_mb, "cold": dense_mb, "scores_rows": key_mb, "scores_tiles": key_mb}
     read_mb["scores_kivi"] = sum(x.kivi_key_bytes for x in stack) / 1e6
     read_mb.update(q4_in_place=q4_mb, q8_in_place=q8_mb)
+    read_mb["q4_at_rest"] = sum(x.kivi_key_bytes + x.q4_value_bytes for x in stack) / 1e6
     return {
         "ms": ms,
         "mb_read": {k: round(v, 1) for k, v in read_mb.items()},
@@ -554,6 +604,7 @@ def case(heads: int, kv: int, d: int, layers: int, batch: int, context: int, rep
         "layer_mb": round(first.dense_bytes / 1e6, 1),
         "q4_in_place_max_abs_difference": q4_difference,
         "q8_in_place_max_abs_difference": q8_difference,
+        "q4_at_rest_max_abs_difference": at_rest_difference,
         "scores_tiles_max_abs_difference": tiles_difference,
         "scores_kivi_max_abs_difference": kivi_difference,
     }
@@ -587,7 +638,9 @@ def main() -> None:
             f"max |diff| {row['scores_kivi_max_abs_difference']:.1e}); Q4 in place "
             f"{ms['q4_in_place']} ms ({row['mb_read']['q4_in_place']} MB; max |diff| "
             f"{row['q4_in_place_max_abs_difference']:.1e}); 8-bit codes in place {ms['q8_in_place']} ms "
-            f"({row['mb_read']['q8_in_place']} MB; max |diff| {row['q8_in_place_max_abs_difference']:.1e})",
+            f"({row['mb_read']['q8_in_place']} MB; max |diff| {row['q8_in_place_max_abs_difference']:.1e}); "
+            f"Q4 at rest in place {ms['q4_at_rest']} ms ({row['mb_read']['q4_at_rest']} MB; max |diff| "
+            f"{row['q4_at_rest_max_abs_difference']:.1e})",
             flush=True,
         )
     load_end = list(os.getloadavg())
