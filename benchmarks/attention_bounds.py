@@ -190,39 +190,52 @@ def scores_kivi(group: int, d: int) -> Any:
     return scores
 
 
+# How ``in_place`` reads the K/V: Q4 rows (two elements a byte), one-byte codes (the same
+# rows unpacked once), or the keys as the default scheme keeps them at rest (KIVI blocks)
+# with Q4 value rows: attention straight on an agent's blocks.
+LAYOUTS = ("q4_rows", "q8_rows", "q4_at_rest")
+
+
+@njit(fastmath=True, boundscheck=False)
+def _nibbles(x: Any) -> tuple[Any, Any]:
+    """A byte's two 4-bit codes as floats (low, high), unpacked in floats: integer masks and
+    shifts are typed 64-bit by numba, and loops that unpacked so came out about twice as
+    slow (the llama's heads at 1K, batch 1: 5.57 ms against 2.85; at 16K 71.0 against 55.2;
+    two scratch runs minutes apart, 2026-12-07, in which ``attend`` over fp32 rows took
+    4.57 and 4.64 ms, 45.1 and 64.8)."""
+    xf = F32(x)
+    high = np.floor(xf * F32(0.0625))
+    return xf - F32(16.0) * high, high
+
+
 @cache
-def q4_in_place(group: int, d: int, kivi_keys: bool = False) -> Any:
-    """Decode attention over Q4 rows read in place, compiled per head shape (``group`` query
-    rows, ``d`` floats) so that its loops have constant trip counts.
+def in_place(group: int, d: int, layout: str) -> Any:
+    """Decode attention over K/V codes read in place (``LAYOUTS``), compiled per head shape
+    (``group`` query rows, ``d`` floats) so that its loops have constant trip counts.
 
-    q (batch, kv, group, d), scaled; kc/vc (heads * width, d // 2) uint8, two elements a
-    byte, the even one in the low nibble (a uint8 view of MLX's packed words); ks/kz (heads
-    * width // BLOCK, d): a key block's scale and offset per channel; vs/vz (heads * width,
-    d // BLOCK): a value row's per group. A key block's scales go into the query once (q *
-    scale, and q . offset added to each score); a value row's scale into its weight. The
-    values are rotated (Hadamard, groups of 64): the weighted sum is taken rotated and
-    turned back once per head.
+    q (batch, kv, group, d), scaled. Rows: kc/vc (heads * width, d // 2) uint8 for Q4, the
+    even element in a byte's low nibble (a uint8 view of MLX's packed words), or (heads *
+    width, d) for one-byte codes; ks/kz (heads * width // BLOCK, d): a key block's scale
+    and offset per channel; vs/vz (heads * width, d // BLOCK): a value row's per group. At
+    rest, kc, ks and kz as ``scores_kivi`` takes them (each job's columns then start at a
+    block). A key block's scales go into the query once (q * scale, and q . offset added to
+    each score); a value row's scale into its weight. The values are rotated (Hadamard,
+    groups of 64): the weighted sum is taken rotated and turned back once per head.
 
-    A byte is unpacked in floats: its high nibble ``floor(x / 16)``, its low one ``x - 16 *
-    high``. Integer masks and shifts are typed 64-bit by numba, and their loops came out
-    about twice as slow: the llama's heads at 1K, batch 1, took 5.57 ms that way and 2.85
-    this way, at 16K 71.0 and 55.2 (two scratch runs minutes apart, 2026-12-07, in which
-    ``attend`` over fp32 rows took 4.57 and 4.64 ms, 45.1 and 64.8). The prototype before
-    this one, which unpacked a row at a time into arrays, was slower than fp32 rows on the
-    llama (``results/attention-bounds-20261207-150638.json``).
-
-    With ``kivi_keys`` the keys are read as the default scheme keeps them at rest instead
-    (``_kivi_block_scores``: kc, ks and kz as ``scores_kivi`` takes them; each job's columns
-    start at a block), the values as before: attention straight on an agent's blocks."""
-    half = d // 2
+    The prototype before this one, which unpacked a row at a time into arrays with integer
+    operations, was slower than fp32 rows on the llama
+    (``results/attention-bounds-20261207-150638.json``)."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"a layout of {LAYOUTS}, not {layout!r}")
+    one_byte = layout == "q8_rows"
+    row_width = d if one_byte else d // 2
     groups = d // BLOCK
-    half_block = BLOCK // 2
 
     @njit(fastmath=True, boundscheck=False)
     def row_scores(q: Any, kc: Any, ks: Any, kz: Any, head: int, base: int, lo: int, n: int, scores: Any) -> None:
-        """Rows ``base + lo ..`` of Q4 keys, a key block's scales folded into the query."""
-        q_even = np.empty((group, half), dtype=F32)
-        q_odd = np.empty((group, half), dtype=F32)
+        """Key rows ``base + lo ..``, a key block's scales folded into the query (its even
+        and odd elements apart for Q4, whose bytes hold one of each)."""
+        scaled = np.empty((group, d), dtype=F32)
         offsets = np.empty(group, dtype=F32)
         t = 0
         while t < n:
@@ -230,19 +243,21 @@ def q4_in_place(group: int, d: int, kivi_keys: bool = False) -> Any:
             stop = min(n, (block + 1) * BLOCK - base - lo)
             for g in range(group):
                 c = F32(0.0)
-                for j in range(half):
-                    q_even[g, j] = q[g, 2 * j] * ks[block, 2 * j]
-                    q_odd[g, j] = q[g, 2 * j + 1] * ks[block, 2 * j + 1]
-                    c += q[g, 2 * j] * kz[block, 2 * j] + q[g, 2 * j + 1] * kz[block, 2 * j + 1]
+                for i in range(d):
+                    at = i if one_byte else (i % 2) * (d // 2) + i // 2  # Q4: evens, then odds
+                    scaled[g, at] = q[g, i] * ks[block, i]
+                    c += q[g, i] * kz[block, i]
                 offsets[g] = c
             for u in range(t, stop):
                 r = base + lo + u
                 for g in range(group):
                     s = F32(0.0)
-                    for j in range(half):
-                        xf = F32(kc[r, j])
-                        hi = np.floor(xf * F32(0.0625))
-                        s += q_even[g, j] * (xf - F32(16.0) * hi) + q_odd[g, j] * hi
+                    for j in range(row_width):
+                        if one_byte:
+                            s += scaled[g, j] * F32(kc[r, j])
+                        else:
+                            low, high = _nibbles(kc[r, j])
+                            s += scaled[g, j] * low + scaled[g, row_width + j] * high
                     scores[g, u] = s + offsets[g]
             t = stop
 
@@ -252,11 +267,37 @@ def q4_in_place(group: int, d: int, kivi_keys: bool = False) -> Any:
     def kivi_scores(q: Any, kc: Any, ks: Any, kz: Any, head: int, base: int, lo: int, n: int, scores: Any) -> None:
         block_scores(q, kc[head], ks[head], kz[head], lo, n, scores)
 
-    key_scores = kivi_scores if kivi_keys else row_scores
-    aligned = KIVI_BLOCK if kivi_keys else 1  # where a job's columns may start
+    key_scores = kivi_scores if layout == "q4_at_rest" else row_scores
+    aligned = KIVI_BLOCK if layout == "q4_at_rest" else 1  # where a job's columns may start
+
+    @njit(fastmath=True, boundscheck=False)
+    def value_sums(scores: Any, vc: Any, vs: Any, vz: Any, base: int, lo: int, n: int, out: Any) -> None:
+        """The weighted sum (group x d, rotated) of value rows ``base + lo ..``, each row's
+        scale folded into its weight and its offsets summed apart."""
+        acc = np.zeros((group, d), dtype=F32)  # Q4: the even elements, then the odd
+        shifts = np.zeros((group, groups), dtype=F32)
+        per_group = BLOCK if one_byte else BLOCK // 2
+        for u in range(n):
+            r = base + lo + u
+            for g in range(group):
+                w = scores[g, u]
+                for grp in range(groups):
+                    a = w * vs[r, grp]
+                    shifts[g, grp] += w * vz[r, grp]
+                    for j in range(grp * per_group, (grp + 1) * per_group):
+                        if one_byte:
+                            acc[g, j] += a * F32(vc[r, j])
+                        else:
+                            low, high = _nibbles(vc[r, j])
+                            acc[g, j] += a * low
+                            acc[g, row_width + j] += a * high
+        for g in range(group):
+            for i in range(d):
+                at = i if one_byte else (i % 2) * (d // 2) + i // 2
+                out[g, i] = acc[g, at] + shifts[g, i // BLOCK]
 
     @njit(parallel=True, fastmath=True, boundscheck=False)
-    def attend_q4(q: Any, kc: Any, ks: Any, kz: Any, vc: Any, vs: Any, vz: Any, splits: int, out: Any) -> None:
+    def attend_codes(q: Any, kc: Any, ks: Any, kz: Any, vc: Any, vs: Any, vz: Any, splits: int, out: Any) -> None:
         batch, kv = q.shape[0], q.shape[1]
         width = vc.shape[0] // (batch * kv)
         span = -(-width // splits // aligned) * aligned
@@ -289,25 +330,7 @@ def q4_in_place(group: int, d: int, kivi_keys: bool = False) -> Any:
                     total += e
                 tops[head, part, g] = top
                 sums[head, part, g] = total
-            acc_even = np.zeros((group, half), dtype=F32)
-            acc_odd = np.zeros((group, half), dtype=F32)
-            shifts = np.zeros((group, groups), dtype=F32)
-            for u in range(n):
-                r = base + lo + u
-                for g in range(group):
-                    w = scores[g, u]
-                    for grp in range(groups):
-                        a = w * vs[r, grp]
-                        shifts[g, grp] += w * vz[r, grp]
-                        for j in range(grp * half_block, grp * half_block + half_block):
-                            xf = F32(vc[r, j])
-                            hi = np.floor(xf * F32(0.0625))
-                            acc_even[g, j] += a * (xf - F32(16.0) * hi)
-                            acc_odd[g, j] += a * hi
-            for g in range(group):
-                for j in range(half):
-                    parts[head, part, g, 2 * j] = acc_even[g, j] + shifts[g, (2 * j) // BLOCK]
-                    parts[head, part, g, 2 * j + 1] = acc_odd[g, j] + shifts[g, (2 * j) // BLOCK]
+            value_sums(scores, vc, vs, vz, base, lo, n, parts[head, part])
         for head in prange(batch * kv):
             b = head // kv
             h = head - b * kv
@@ -325,118 +348,7 @@ def q4_in_place(group: int, d: int, kivi_keys: bool = False) -> Any:
                         out[b, h, g, i] += w * parts[head, part, g, i]
                 for i in range(d):
                     out[b, h, g, i] /= total
-                for grp in range(groups):
-                    step = 1
-                    while step < BLOCK:
-                        for i0 in range(grp * BLOCK, (grp + 1) * BLOCK, 2 * step):
-                            for i in range(i0, i0 + step):
-                                x0, x1 = out[b, h, g, i], out[b, h, g, i + step]
-                                out[b, h, g, i] = x0 + x1
-                                out[b, h, g, i + step] = x0 - x1
-                        step *= 2
-                    for i in range(grp * BLOCK, (grp + 1) * BLOCK):
-                        out[b, h, g, i] *= F32(BLOCK**-0.5)
-
-    return attend_q4
-
-
-@cache
-def q8_in_place(group: int, d: int) -> Any:
-    """Decode attention over 8-bit codes read in place (one byte an element, the Q4 codes
-    unpacked once): ``q4_in_place``'s scales and rotation, with no unpacking in the loops.
-    Compiled per head shape (``group`` query rows, ``d`` floats), so that its loops have
-    constant trip counts and unroll, as ``kvshelf.model.skinny``'s blocks do.
-
-    q (batch, kv, group, d), scaled; kc/vc (heads * width, d) uint8; ks/kz (heads * width //
-    BLOCK, d): a key block's scale and offset per channel, folded into the query; vs/vz
-    (heads * width, d // BLOCK): a value row's per group, folded into its weight."""
-    groups = d // BLOCK
-
-    @njit(parallel=True, fastmath=True, boundscheck=False)
-    def attend_codes(q: Any, kc: Any, ks: Any, kz: Any, vc: Any, vs: Any, vz: Any, splits: int, out: Any) -> None:
-        batch, kv = q.shape[0], q.shape[1]
-        width = kc.shape[0] // (batch * kv)
-        span = -(-width // splits)
-        tops = np.empty((batch * kv, splits, group), dtype=F32)
-        sums = np.empty((batch * kv, splits, group), dtype=F32)
-        parts = np.empty((batch * kv, splits, group, d), dtype=F32)
-        for job in prange(batch * kv * splits):
-            head = job // splits
-            part = job - head * splits
-            b = head // kv
-            h = head - b * kv
-            lo = part * span
-            n = max(min(width, lo + span) - lo, 0)
-            base = head * width
-            scores = np.empty((group, n), dtype=F32)
-            scaled = np.empty((group, d), dtype=F32)
-            offsets = np.empty(group, dtype=F32)
-            t = 0
-            while t < n:  # a key block at a time: its scales folded into the query
-                block = (base + lo + t) // BLOCK
-                stop = min(n, (block + 1) * BLOCK - base - lo)
-                for g in range(group):
-                    c = F32(0.0)
-                    for i in range(d):
-                        scaled[g, i] = q[b, h, g, i] * ks[block, i]
-                        c += q[b, h, g, i] * kz[block, i]
-                    offsets[g] = c
-                for u in range(t, stop):
-                    r = base + lo + u
-                    for g in range(group):
-                        s = F32(0.0)
-                        for i in range(d):
-                            s += scaled[g, i] * F32(kc[r, i])
-                        scores[g, u] = s + offsets[g]
-                t = stop
-            powers = np.empty(n, dtype=np.int32)
-            for g in range(group):
-                top = F32(-3.0e38)
-                for u in range(n):
-                    top = max(top, scores[g, u])
-                for u in range(n):
-                    e, powers[u] = vector_exp.parts(max(scores[g, u] - top, vector_exp.FLOOR))
-                    scores[g, u] = e
-                scales = powers.view(F32)
-                total = F32(0.0)
-                for u in range(n):
-                    e = scores[g, u] * scales[u]
-                    scores[g, u] = e
-                    total += e
-                tops[head, part, g] = top
-                sums[head, part, g] = total
-            acc = np.zeros((group, d), dtype=F32)
-            shifts = np.zeros((group, groups), dtype=F32)
-            for u in range(n):
-                r = base + lo + u
-                for g in range(group):
-                    w = scores[g, u]
-                    for grp in range(groups):
-                        a = w * vs[r, grp]
-                        shifts[g, grp] += w * vz[r, grp]
-                        for i in range(BLOCK):
-                            acc[g, grp * BLOCK + i] += a * F32(vc[r, grp * BLOCK + i])
-            for g in range(group):
-                for i in range(d):
-                    parts[head, part, g, i] = acc[g, i] + shifts[g, i // BLOCK]
-        for head in prange(batch * kv):
-            b = head // kv
-            h = head - b * kv
-            for g in range(group):
-                top = F32(-3.0e38)
-                for part in range(splits):
-                    top = max(top, tops[head, part, g])
-                total = F32(0.0)
-                for i in range(d):
-                    out[b, h, g, i] = 0.0
-                for part in range(splits):
-                    w = np.exp(tops[head, part, g] - top)
-                    total += w * sums[head, part, g]
-                    for i in range(d):
-                        out[b, h, g, i] += w * parts[head, part, g, i]
-                for i in range(d):
-                    out[b, h, g, i] /= total
-                for grp in range(groups):  # the rotation undone once per head, as in q4_in_place
+                for grp in range(groups):  # the rotation undone: a normalized Hadamard is its own inverse
                     step = 1
                     while step < BLOCK:
                         for i0 in range(grp * BLOCK, (grp + 1) * BLOCK, 2 * step):
@@ -539,8 +451,7 @@ def case(heads: int, kv: int, d: int, layers: int, batch: int, context: int, rep
     grouped = np.ascontiguousarray((q * F32(scale)).reshape(batch, kv, heads // kv, d))
     per_head = grouped.reshape(batch * kv, heads // kv, d)
     splits = native_ops.column_splits(batch * kv, context)
-    in_nibbles, in_bytes = q4_in_place(heads // kv, d), q8_in_place(heads // kv, d)
-    at_rest = q4_in_place(heads // kv, d, kivi_keys=True)
+    in_nibbles, in_bytes, at_rest = (in_place(heads // kv, d, layout) for layout in LAYOUTS)
     out = np.empty_like(grouped)
     s_rows = np.empty((batch * kv, heads // kv, context), dtype=F32)
     s_tiles = np.empty_like(s_rows)
