@@ -467,31 +467,43 @@ def case(heads: int, kv: int, d: int, layers: int, batch: int, context: int, rep
 
         return run
 
+    # each in-place attention over one layer, and the bytes it reads of that layer
+    attentions: dict[str, tuple[Callable[[Layer], Any], Callable[[Layer], int]]] = {
+        "q4_in_place": (
+            lambda x: in_nibbles(grouped, x.kc, x.ks, x.kz, x.vc, x.vs, x.vz, splits, out),
+            lambda x: x.q4_bytes,
+        ),
+        "q8_in_place": (
+            lambda x: in_bytes(grouped, x.kc8, x.ks, x.kz, x.vc8, x.vs, x.vz, splits, out),
+            lambda x: x.q8_bytes,
+        ),
+        "q4_at_rest": (
+            lambda x: at_rest(grouped, x.kc_kivi, x.ks_kivi, x.kz_kivi, x.vc, x.vs, x.vz, splits, out),
+            lambda x: x.kivi_key_bytes + x.q4_value_bytes,
+        ),
+    }
+    # the scores alone, over one layer's keys laid out each way, into their own output
+    score_runs: dict[str, Callable[[Layer], Any]] = {
+        "scores_rows": lambda x: scores_rows(per_head, x.k.reshape(batch * kv, context, d), s_rows),
+        "scores_tiles": lambda x: scores_tiles(per_head, x.k_tiles, s_tiles),
+        "scores_kivi": lambda x: kivi(per_head, x.kc_kivi, x.ks_kivi, x.kz_kivi, s_kivi),
+    }
     variants = {
         "hot": timed(lambda x: native_ops.attend(q, x.k, x.v, None, scale), [stack[0]] * layers),
         "cold": timed(lambda x: native_ops.attend(q, x.k, x.v, None, scale), stack),
-        "scores_rows": timed(lambda x: scores_rows(per_head, x.k.reshape(batch * kv, context, d), s_rows), stack),
-        "scores_tiles": timed(lambda x: scores_tiles(per_head, x.k_tiles, s_tiles), stack),
-        "scores_kivi": timed(lambda x: kivi(per_head, x.kc_kivi, x.ks_kivi, x.kz_kivi, s_kivi), stack),
-        "q4_in_place": timed(lambda x: in_nibbles(grouped, x.kc, x.ks, x.kz, x.vc, x.vs, x.vz, splits, out), stack),
-        "q8_in_place": timed(lambda x: in_bytes(grouped, x.kc8, x.ks, x.kz, x.vc8, x.vs, x.vz, splits, out), stack),
-        "q4_at_rest": timed(
-            lambda x: at_rest(grouped, x.kc_kivi, x.ks_kivi, x.kz_kivi, x.vc, x.vs, x.vz, splits, out), stack
-        ),
+        **{name: timed(fn, stack) for name, fn in score_runs.items()},
+        **{name: timed(fn, stack) for name, (fn, _) in attentions.items()},
     }
     first = stack[0]
     dense = native_ops.attend(q, first.k, first.v, None, scale)
-    in_nibbles(grouped, first.kc, first.ks, first.kz, first.vc, first.vs, first.vz, splits, out)
-    scores_rows(per_head, first.k.reshape(batch * kv, context, d), s_rows)
-    scores_tiles(per_head, first.k_tiles, s_tiles)
-    kivi(per_head, first.kc_kivi, first.ks_kivi, first.kz_kivi, s_kivi)
-    q4_difference = float(np.abs(out.reshape(dense.shape) - dense).max())
-    in_bytes(grouped, first.kc8, first.ks, first.kz, first.vc8, first.vs, first.vz, splits, out)
-    q8_difference = float(np.abs(out.reshape(dense.shape) - dense).max())
-    at_rest(grouped, first.kc_kivi, first.ks_kivi, first.kz_kivi, first.vc, first.vs, first.vz, splits, out)
-    at_rest_difference = float(np.abs(out.reshape(dense.shape) - dense).max())
-    tiles_difference = float(np.abs(s_rows - s_tiles).max())
-    kivi_difference = float(np.abs(s_rows - s_kivi).max())
+    differences = {}
+    for name, (fn, _) in attentions.items():
+        fn(first)
+        differences[name] = float(np.abs(out.reshape(dense.shape) - dense).max())
+    for fn in score_runs.values():
+        fn(first)
+    differences["scores_tiles"] = float(np.abs(s_rows - s_tiles).max())
+    differences["scores_kivi"] = float(np.abs(s_rows - s_kivi).max())
     times: dict[str, list[float]] = {name: [] for name in variants}
     for r in range(repeats + 2):
         for name, run in variants.items():
@@ -500,24 +512,17 @@ def case(heads: int, kv: int, d: int, layers: int, batch: int, context: int, rep
                 times[name].append(t)
     dense_mb = sum(x.dense_bytes for x in stack) / 1e6
     key_mb = sum(x.k.nbytes for x in stack) / 1e6
-    q4_mb = sum(x.q4_bytes for x in stack) / 1e6
-    q8_mb = sum(x.q8_bytes for x in stack) / 1e6
     ms = {name: round(statistics.median(t), 2) for name, t in times.items()}
     read_mb = {"hot": dense_mb, "cold": dense_mb, "scores_rows": key_mb, "scores_tiles": key_mb}
     read_mb["scores_kivi"] = sum(x.kivi_key_bytes for x in stack) / 1e6
-    read_mb.update(q4_in_place=q4_mb, q8_in_place=q8_mb)
-    read_mb["q4_at_rest"] = sum(x.kivi_key_bytes + x.q4_value_bytes for x in stack) / 1e6
+    read_mb.update({name: sum(nbytes(x) for x in stack) / 1e6 for name, (_, nbytes) in attentions.items()})
     return {
         "ms": ms,
         "mb_read": {k: round(v, 1) for k, v in read_mb.items()},
         # hot reads one layer's rows again and again: its figure is the rate the loops take them at
         "gbs_of_rows": {k: round(read_mb[k] / 1e3 / (ms[k] / 1e3), 1) for k in ms},
         "layer_mb": round(first.dense_bytes / 1e6, 1),
-        "q4_in_place_max_abs_difference": q4_difference,
-        "q8_in_place_max_abs_difference": q8_difference,
-        "q4_at_rest_max_abs_difference": at_rest_difference,
-        "scores_tiles_max_abs_difference": tiles_difference,
-        "scores_kivi_max_abs_difference": kivi_difference,
+        **{f"{name}_max_abs_difference": diff for name, diff in differences.items()},
     }
 
 
