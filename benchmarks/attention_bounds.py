@@ -24,6 +24,9 @@ side by side in one run, for the embedded Gemma 3's heads (4 query heads on 1 KV
   of the working set's), compiled per head shape so that its loops unroll: it shows what
   unpacking nibbles costs, and whether codes read in place beat fp32 rows where memory
   is slow against the cores;
+- ``coded_attention``: kvshelf's own loop for that (``kvshelf.model.coded_attention``): the
+  same layout and arithmetic as ``q4_in_place``, one loop for every head shape, as the
+  library compiles it;
 - ``q4_at_rest``: ``q4_in_place`` with the keys as ``scores_kivi`` reads them: whole
   attention straight on an agent's blocks as the default scheme keeps them.
 
@@ -52,7 +55,7 @@ import numpy as np
 from common import write_json
 
 from kvbench.decode_steps import bandwidth, describe_bandwidth
-from kvshelf.model import native_ops, vector_exp
+from kvshelf.model import coded_attention, native_ops, vector_exp
 from kvshelf.model.jit import njit, prange
 
 F32 = np.float32
@@ -219,8 +222,9 @@ def in_place(group: int, d: int, layout: str) -> Any:
     and offset per channel; vs/vz (heads * width, d // BLOCK): a value row's per group. At
     rest, kc, ks and kz as ``scores_kivi`` takes them (each job's columns then start at a
     block). A key block's scales go into the query once (q * scale, and q . offset added to
-    each score); a value row's scale into its weight. The values are rotated (Hadamard,
-    groups of 64): the weighted sum is taken rotated and turned back once per head.
+    each score); a value row's scale into its weight. The values are rotated (a Hadamard
+    transform over the head, as the default scheme rotates them): the weighted sum is taken
+    rotated and turned back once per head.
 
     The prototype before this one, which unpacked a row at a time into arrays with integer
     operations, was slower than fp32 rows on the llama
@@ -348,17 +352,16 @@ def in_place(group: int, d: int, layout: str) -> Any:
                         out[b, h, g, i] += w * parts[head, part, g, i]
                 for i in range(d):
                     out[b, h, g, i] /= total
-                for grp in range(groups):  # the rotation undone: a normalized Hadamard is its own inverse
-                    step = 1
-                    while step < BLOCK:
-                        for i0 in range(grp * BLOCK, (grp + 1) * BLOCK, 2 * step):
-                            for i in range(i0, i0 + step):
-                                x0, x1 = out[b, h, g, i], out[b, h, g, i + step]
-                                out[b, h, g, i] = x0 + x1
-                                out[b, h, g, i + step] = x0 - x1
-                        step *= 2
-                    for i in range(grp * BLOCK, (grp + 1) * BLOCK):
-                        out[b, h, g, i] *= F32(BLOCK**-0.5)
+                step = 1  # the rotation undone: a normalized Hadamard is its own inverse
+                while step < d:
+                    for i0 in range(0, d, 2 * step):
+                        for i in range(i0, i0 + step):
+                            x0, x1 = out[b, h, g, i], out[b, h, g, i + step]
+                            out[b, h, g, i] = x0 + x1
+                            out[b, h, g, i + step] = x0 - x1
+                    step *= 2
+                for i in range(d):
+                    out[b, h, g, i] *= F32(d**-0.5)
 
     return attend_codes
 
@@ -408,7 +411,7 @@ class Layer:
         codes = lambda c: nibbles(c).astype(F32)  # noqa: E731
         k = codes(self.kc) * np.repeat(self.ks, BLOCK, axis=0) + np.repeat(self.kz, BLOCK, axis=0)
         v_rotated = codes(self.vc) * np.repeat(self.vs, BLOCK, axis=1) + np.repeat(self.vz, BLOCK, axis=1)
-        v = (v_rotated.reshape(rows, d // BLOCK, BLOCK) @ _hadamard(BLOCK)).reshape(rows, d)
+        v = v_rotated @ _hadamard(d)
         self.k = k.reshape(batch, kv, width, d).astype(F32)
         self.v = v.reshape(batch, kv, width, d).astype(F32)
         heads_k = self.k.reshape(batch * kv, width, d)
@@ -421,6 +424,20 @@ class Layer:
             x.reshape(batch * kv, blocks, KIVI_BLOCK // BLOCK, d).transpose(0, 1, 3, 2)
         )
         self.ks_kivi, self.kz_kivi = per_group(self.ks), per_group(self.kz)
+        # the same rows as kvshelf's coded attention reads them (no open block: every key coded)
+        heads = lambda x: x.reshape(batch, kv, -1, x.shape[-1])  # noqa: E731
+        self.coded = coded_attention.CodedLayer(
+            heads(self.kc),
+            heads(self.ks),
+            heads(self.kz),
+            np.zeros((batch, kv, 1, d), F32),
+            heads(self.vc),
+            heads(self.vs),
+            heads(self.vz),
+            np.zeros(batch, np.int64),
+            np.full(batch, width, np.int64),
+            rotated=True,
+        )
 
     @property
     def dense_bytes(self) -> int:
@@ -476,6 +493,10 @@ def case(heads: int, kv: int, d: int, layers: int, batch: int, context: int, rep
         "q8_in_place": (
             lambda x: in_bytes(grouped, x.kc8, x.ks, x.kz, x.vc8, x.vs, x.vz, splits, out),
             lambda x: x.q8_bytes,
+        ),
+        "coded_attention": (
+            lambda x: coded_attention.attend_coded(q, x.coded, None, scale, splits=splits),
+            lambda x: x.q4_bytes,
         ),
         "q4_at_rest": (
             lambda x: at_rest(grouped, x.kc_kivi, x.ks_kivi, x.kz_kivi, x.vc, x.vs, x.vz, splits, out),
@@ -556,7 +577,8 @@ def main() -> None:
             f"{row['q4_in_place_max_abs_difference']:.1e}); 8-bit codes in place {ms['q8_in_place']} ms "
             f"({row['mb_read']['q8_in_place']} MB; max |diff| {row['q8_in_place_max_abs_difference']:.1e}); "
             f"Q4 at rest in place {ms['q4_at_rest']} ms ({row['mb_read']['q4_at_rest']} MB; max |diff| "
-            f"{row['q4_at_rest_max_abs_difference']:.1e})",
+            f"{row['q4_at_rest_max_abs_difference']:.1e}); kvshelf's coded attention {ms['coded_attention']} ms "
+            f"(max |diff| {row['coded_attention_max_abs_difference']:.1e})",
             flush=True,
         )
     load_end = list(os.getloadavg())

@@ -25,7 +25,7 @@ import mlx.core as mx
 import numpy as np
 
 from kvshelf.kv import row_coding
-from kvshelf.model import exact_ops, half_weights, native_ops, skinny
+from kvshelf.model import coded_attention, exact_ops, half_weights, native_ops, skinny
 from kvshelf.model.ordered_attention import ordered_attention
 
 assert skinny.blocked_product() is not None and skinny.invariant_blocked_product() is not None
@@ -45,6 +45,11 @@ rope(x.reshape(3, 4, 64), *rope.tables(np.arange(3)))
 q = rng.standard_normal((2, 4, 64), dtype=np.float32)
 kv = rng.standard_normal((2, 1, 300, 64), dtype=np.float32)
 native_ops.attend(q, kv, kv, None, 0.125)
+codes, ones = np.full((2, 1, 300, 32), 0x5A, np.uint8), np.ones((2, 1, 300, 1), np.float32)
+zeros = np.zeros(2, np.int64)
+groups = rng.standard_normal((2, 1, 5, 64), dtype=np.float32)
+layer = coded_attention.CodedLayer(codes, groups, groups, kv[:, :, :1], codes, ones, ones, zeros, zeros + 299, True)
+coded_attention.attend_coded(q, layer, None, 0.125)
 mq, mk = mx.array(q[:, :, None, :]), mx.array(kv)
 mx.eval(ordered_attention(mq, mk, mk, 0.125, None))
 """
