@@ -12,7 +12,9 @@ and side by side, for each model and context length:
   the per-step path it replaced ("per-step": the model's own call on the agents' layer
   caches, one ``BatchLayerView`` per layer when several agents decode together), and
   (``--paths pipeline``) the scheduler's path with the working set's pipelining
-  (``kvshelf.kv.working_set.PIPELINE``, off by default), and (``--paths greedy``) what a
+  (``kvshelf.kv.working_set.PIPELINE``, off by default), and (``--paths coded``) the
+  scheduler's path with the default scheme's layers kept in codes and attention reading
+  them in place (``kvshelf.kv.coded_working_set.CODED``, off by default), and (``--paths greedy``) what a
   temperature-0 request runs, ``LoadedModel.greedy_forward``'s shape-invariant kernels
   (their native step, ``kvshelf.model.exact_ops``; ``--paths greedy-module``: their layers
   through MLX's graph, as before it), and
@@ -94,7 +96,7 @@ from kvbench.decode_steps import (
     kv_bytes,
     weight_bytes,
 )
-from kvshelf.kv import blocks, working_set
+from kvshelf.kv import blocks, coded_working_set, working_set
 from kvshelf.kv.agent_cache import AgentCache
 from kvshelf.kv.schemes import DEFAULT_SCHEME, SCHEMES
 from kvshelf.model import few_rows, half_weights, skinny
@@ -190,6 +192,7 @@ PATHS = (
     "head-only",
     "one-row-sgemv",
     "pipeline",
+    "coded",
     "greedy",
     "greedy-module",
     "mlx-sdpa",
@@ -335,6 +338,8 @@ def run(
                         kinds.append((True, f"{scheme} greedy no skinny", greedy_no_skinny))
                     if "pipeline" in paths:
                         kinds.append((True, f"{scheme} pipeline", fast))
+                    if "coded" in paths and scheme == DEFAULT_SCHEME:
+                        kinds.append((True, f"{scheme} coded", fast))
                     if "q4-packed" in paths and SCHEMES[scheme].plain:
                         kinds.append((True, f"{scheme} packed", fast))
                     if "per-step" in paths:
@@ -386,7 +391,11 @@ def run(
 # pipelining (``kvshelf.kv.working_set.PIPELINE``), and plain Q4 decoding on its packed
 # rows through ``quantized_matmul`` (``kvshelf.kv.blocks.PACKED_DECODE``: a GPU's path,
 # and the CPU's before plain Q4 got the dense working set).
-SWITCHES: dict[str, tuple[Any, str]] = {" pipeline": (working_set, "PIPELINE"), " packed": (blocks, "PACKED_DECODE")}
+SWITCHES: dict[str, tuple[Any, str]] = {
+    " pipeline": (working_set, "PIPELINE"),
+    " packed": (blocks, "PACKED_DECODE"),
+    " coded": (coded_working_set, "CODED"),
+}
 
 
 class SwitchedStepper(Stepper):

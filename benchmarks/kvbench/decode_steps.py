@@ -21,6 +21,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from kvshelf.kv.batch import batch_views
+from kvshelf.kv.coded_working_set import reads_codes
 from kvshelf.kv.working_set import WorkingSets
 from kvshelf.model.head import ProjectedModel, buffer_view
 from kvshelf.model.sgemv import system_sgemv
@@ -168,7 +169,8 @@ class Stepper:
         t = time.perf_counter()
         caches: list[Any]
         if self.working:
-            caches = self.ws.caches(list(range(len(self.agents))), self.agents)
+            in_codes = reads_codes(self.model, len(self.agents))  # as the scheduler asks
+            caches = self.ws.caches(list(range(len(self.agents))), self.agents, in_codes=in_codes)
         else:
             caches = self.agents[0] if len(self.agents) == 1 else batch_views(self.agents)
         logits = self.model(self._x, cache=caches)[:, -1]

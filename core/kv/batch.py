@@ -22,7 +22,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from kvshelf.kv.blocks import PackedFetch, QuantizedLayerCache
+from kvshelf.kv.blocks import CodedRows, PackedFetch, QuantizedLayerCache
 
 
 def _left_pad(x: mx.array, length: int) -> mx.array:
@@ -90,3 +90,38 @@ class BatchLayerView(PackedFetch):
 def batch_views(layer_caches: list[list[QuantizedLayerCache]]) -> list[BatchLayerView]:
     """``layer_caches[b][i]`` is agent b's cache of layer i; returns one view per layer."""
     return [BatchLayerView(list(per_layer)) for per_layer in zip(*layer_caches)]
+
+
+class MemberView(BatchLayerView):
+    """What every decode working set layer is to the model: with one member, that member's
+    cache (its own mask and integer RoPE offset); with several, their batch view. It also
+    says what a step's new rows read back as (``read_back``)."""
+
+    def __init__(self, members: list[QuantizedLayerCache]):
+        super().__init__(members)
+        # Dense unless every member hands packed rows to quantized_matmul (plain Q4 on a GPU).
+        self._dense = not all(m.quantized_decode for m in members)
+        self._quantized_fetch = not self._dense
+
+    @property
+    def dense_decode(self) -> bool:
+        return self._dense
+
+    @property
+    def offset(self) -> Any:
+        if len(self.members) == 1:
+            return self.members[0].offset
+        return super().offset
+
+    def make_mask(self, n: int, window_size: int | None = None, return_array: bool = False) -> Any:
+        if len(self.members) == 1:
+            return self.members[0].make_mask(n, window_size=window_size, return_array=return_array)
+        return super().make_mask(n, window_size, return_array)
+
+    def read_back(self, keys: np.ndarray, values: np.ndarray) -> CodedRows | None:
+        """This step's new rows (numpy, one per member) coded as the cache codes them, bit
+        for bit, and what they read back as once appended, or None where that is not
+        known here (a scheme without a numpy coding, a sink's position, packed rows)."""
+        if not self._dense or any(m.own_rows_at(m.offset) for m in self.members):
+            return None
+        return self.members[0].read_back(keys, values)

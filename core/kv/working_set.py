@@ -43,6 +43,10 @@ The cost is RAM while decoding: on the embedded Gemma 3 (fp32 compute, default s
 about 55 MB per agent at 4K context and 130 MB at 16K (the Q4 blocks: 9 and 20 MB);
 ``WorkingSets.nbytes`` says how much is held now.
 
+Where ``kvshelf.kv.coded_working_set.CODED`` is on (off by default), the native
+step's layers of the default scheme keep their members' codes instead (``CodedDecodeLayer``: a
+fraction of these bytes, read in place by ``kvshelf.model.coded_attention``).
+
 A run is keyed by its members' identities (the scheduler passes its requests), so an
 agent that leaves and comes back (after a rewind, a reload or a fork) is read afresh
 from its blocks, never from stale rows.
@@ -56,8 +60,10 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from kvshelf.kv.batch import BatchLayerView
+from kvshelf.kv import coded_working_set
+from kvshelf.kv.batch import MemberView
 from kvshelf.kv.blocks import CodedRows, Codes, QuantizedLayerCache, each
+from kvshelf.kv.coded_working_set import CodedDecodeLayer, coded_layer_fits
 from kvshelf.model.arrays import buffer_view
 from kvshelf.switches import env_on
 
@@ -107,18 +113,14 @@ def _place(x: mx.array, width: int, capacity: int) -> mx.array:
     return mx.concatenate([p for p in parts if p.shape[2]], axis=2)
 
 
-class DecodeLayer(BatchLayerView):
+class DecodeLayer(MemberView):
     """One layer of a decode run: its members' rows in one persistent batch buffer.
 
-    A drop-in cache for mlx-lm attention, one token per member per step. With one member
-    it is that member's cache to the model (its own mask and integer RoPE offset)."""
+    A drop-in cache for mlx-lm attention, one token per member per step."""
 
     def __init__(self, members: list[QuantizedLayerCache], carried: list[Carried | None]):
         super().__init__(members)
         self._carried = carried  # rows start..offset of members taken over from a previous run
-        # Dense unless every member hands packed rows to quantized_matmul (plain Q4 on a GPU).
-        self._dense = not all(m.quantized_decode for m in members)
-        self._quantized_fetch = not self._dense
         # One agent whose packed rows are one buffer already (no shared base): its own
         # fetch is a slice, so a copy would only cost bytes.
         self._passthrough = len(members) == 1 and not self._dense and members[0].base is None
@@ -131,21 +133,6 @@ class DecodeLayer(BatchLayerView):
         self.closed = [c[2] if c is not None else m.stable_until for m, c in zip(members, carried)]
 
     # -- mlx-lm cache protocol ---------------------------------------------------------
-    @property
-    def dense_decode(self) -> bool:
-        return self._dense
-
-    @property
-    def offset(self) -> Any:
-        if len(self.members) == 1:
-            return self.members[0].offset
-        return super().offset
-
-    def make_mask(self, n: int, window_size: int | None = None, return_array: bool = False) -> Any:
-        if len(self.members) == 1:
-            return self.members[0].make_mask(n, window_size=window_size, return_array=return_array)
-        return super().make_mask(n, window_size, return_array)
-
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[Any, Any]:
         if keys.shape[2] != 1:
             raise ValueError("a decode working set takes one token per agent per step")
@@ -199,14 +186,6 @@ class DecodeLayer(BatchLayerView):
         self.synced = [m.offset for m in self.members]
 
     # -- a step that codes its own token (kvshelf.model.native_decode) -------------------
-    def read_back(self, keys: np.ndarray, values: np.ndarray) -> CodedRows | None:
-        """This step's new rows (numpy, one per member) coded as the cache codes them, bit
-        for bit, and what they read back as once appended, or None where that is not
-        known here (a scheme without a numpy coding, a sink's position, packed rows)."""
-        if not self._dense or any(m.own_rows_at(m.offset) for m in self.members):
-            return None
-        return self.members[0].read_back(keys, values)
-
     def previous_columns(self, dtype: mx.Dtype) -> tuple[Rows, Rows, int, int]:
         """Before this step's tokens are appended: the buffers and the columns ``lo..end``
         that the step's queries read besides their own tokens (what ``update_and_fetch``
@@ -323,21 +302,34 @@ class DecodeRun:
 
     ``keys`` identify the members (the scheduler's requests), ``agents`` are their layer
     caches (``AgentCache.layers``); ``previous`` is the run before a membership change,
-    whose rows the staying members bring along."""
+    whose rows the staying members bring along; ``in_codes``: see ``WorkingSets.caches``."""
 
-    def __init__(self, keys: Sequence[Hashable], agents: Sequence[Layers], previous: DecodeRun | None = None):
+    layers: list[DecodeLayer | CodedDecodeLayer]
+
+    def __init__(
+        self,
+        keys: Sequence[Hashable],
+        agents: Sequence[Layers],
+        previous: DecodeRun | None = None,
+        in_codes: bool = False,
+    ):
         self.keys = list(keys)
         self.agents = [list(layers) for layers in agents]
+        self.in_codes = in_codes
         index = previous._index() if previous is not None else {}
-        layers: list[DecodeLayer] = []
+        layers: list[DecodeLayer | CodedDecodeLayer] = []
         for i, per_layer in enumerate(zip(*self.agents)):
+            members = list(per_layer)
+            if in_codes and coded_working_set.CODED and coded_layer_fits(members):
+                layers.append(CodedDecodeLayer(members))
+                continue
             carried: list[Carried | None] = []
             for key in self.keys:
                 old = index.get(key)
                 rows = previous.layers[i].member_rows(old) if previous is not None and old is not None else None
                 carried.append(rows)
-            layers.append(DecodeLayer(list(per_layer), carried))
-        self.layers: list[DecodeLayer] = layers
+            layers.append(DecodeLayer(members, carried))
+        self.layers = layers
 
     def _index(self) -> dict[Hashable, int]:
         """Members whose rows are still current: same caches, no token added or removed since."""
@@ -348,8 +340,12 @@ class DecodeRun:
             layer.members[b] is c and layer.synced[b] == c.offset for layer, c in zip(self.layers, agent)
         )
 
-    def serves(self, keys: Sequence[Hashable], agents: Sequence[Layers]) -> bool:
-        return list(keys) == self.keys and all(self._current(b, a) for b, a in enumerate(agents))
+    def serves(self, keys: Sequence[Hashable], agents: Sequence[Layers], in_codes: bool = False) -> bool:
+        return (
+            list(keys) == self.keys
+            and in_codes == self.in_codes
+            and all(self._current(b, a) for b, a in enumerate(agents))
+        )
 
     def arrays(self) -> list[mx.array]:
         return [x for layer in self.layers for x in layer.arrays()]
@@ -366,10 +362,15 @@ class WorkingSets:
     def __init__(self) -> None:
         self.run: DecodeRun | None = None
 
-    def caches(self, keys: Sequence[Hashable], agents: Sequence[Layers]) -> list[DecodeLayer]:
-        """The model's caches for a step of these members (``agents[b]``: member b's layers)."""
-        if self.run is None or not self.run.serves(keys, agents):
-            self.run = DecodeRun(keys, agents, self.run)
+    def caches(
+        self, keys: Sequence[Hashable], agents: Sequence[Layers], in_codes: bool = False
+    ) -> list[DecodeLayer | CodedDecodeLayer]:
+        """The model's caches for a step of these members (``agents[b]``: member b's layers).
+        ``in_codes``: the step is the default kernels' native step (no member at temperature
+        0), which reads layers kept in codes (``kvshelf.kv.coded_working_set``) where
+        ``CODED`` is on and the layer's members allow it."""
+        if self.run is None or not self.run.serves(keys, agents, in_codes):
+            self.run = DecodeRun(keys, agents, self.run, in_codes)
         return self.run.layers
 
     def clear(self) -> None:

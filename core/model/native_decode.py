@@ -51,6 +51,7 @@ from mlx_lm.models.cache import KVCache, make_prompt_cache
 from kvshelf.model import exact_ops, half_weights, native_ops
 from kvshelf.model.arrays import buffer_view
 from kvshelf.model.attention import ordered_step
+from kvshelf.model.coded_attention import attend_coded
 from kvshelf.model.few_rows import Gemm
 from kvshelf.model.native_ops import F32, Rope, attend, mask_bias
 from kvshelf.model.ordered_attention import ordered_attention_available
@@ -258,6 +259,11 @@ class NativeDecoder:
         # reads its stored columns and the new rows as the cache will code them (numpy, MLX's
         # bits), so MLX is not evaluated in the middle of the step.
         coded = cache.read_back(k, v) if self.defer_updates and hasattr(cache, "advance") else None
+        if coded is not None and hasattr(cache, "coded_columns"):  # a layer kept in codes (coded_working_set)
+            codes, lo, end = cache.coded_columns(coded)
+            out = attend_coded(q, codes, mask, layer.scale, (lo, end))
+            self._deferred.append((cache, k, v, coded))
+            return self._product(out, layer.o)
         if coded is not None:
             key_buf, value_buf, lo, end = cache.previous_columns(mx.float32)
             keys_np, values_np = buffer_view(key_buf[0]), buffer_view(value_buf[0])

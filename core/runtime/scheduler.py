@@ -36,6 +36,7 @@ import mlx.core as mx
 import numpy as np
 
 from kvshelf.kv.agent_cache import AgentCache
+from kvshelf.kv.coded_working_set import reads_codes
 from kvshelf.kv.working_set import WorkingSets
 from kvshelf.model.head import prefill_logits
 from kvshelf.model.loader import LoadedModel
@@ -462,8 +463,9 @@ class Scheduler:
         self.stats["max_batch"] = max(self.stats["max_batch"], len(batch))
         x = mx.array([[r.next_token] for r in batch])
         held = [_cache_of(r) for r in batch]
-        caches = self._working.caches(batch, [c.layers for c in held])
-        logits = self._forward(batch)(x, cache=caches)[:, -1]
+        forward = self._forward(batch)
+        caches = self._working.caches(batch, [c.layers for c in held], in_codes=reads_codes(forward, len(batch)))
+        logits = forward(x, cache=caches)[:, -1]
         # One evaluation computes the step; then each member chooses from its own row
         # (numpy, ``kvshelf.runtime.sampling``).
         mx.eval(logits, [a for c in held for a in c.arrays()], self._working.arrays())
