@@ -12,9 +12,10 @@ and side by side, for each model and context length:
   the per-step path it replaced ("per-step": the model's own call on the agents' layer
   caches, one ``BatchLayerView`` per layer when several agents decode together), and
   (``--paths pipeline``) the scheduler's path with the working set's pipelining
-  (``kvshelf.kv.working_set.PIPELINE``, off by default), and (``--paths coded``) the
-  scheduler's path with the default scheme's layers kept in codes and attention reading
-  them in place (``kvshelf.kv.coded_working_set.CODED``, off by default), and (``--paths greedy``) what a
+  (``kvshelf.kv.working_set.PIPELINE``, off by default), and (``--paths fp32-rows``) the
+  scheduler's path with the default scheme's layers kept as fp32 rows, as before
+  2026-12-08, instead of in codes that attention reads in place
+  (``kvshelf.kv.coded_working_set.CODED`` off), and (``--paths greedy``) what a
   temperature-0 request runs, ``LoadedModel.greedy_forward``'s shape-invariant kernels
   (their native step, ``kvshelf.model.exact_ops``; ``--paths greedy-module``: their layers
   through MLX's graph, as before it), and
@@ -192,7 +193,7 @@ PATHS = (
     "head-only",
     "one-row-sgemv",
     "pipeline",
-    "coded",
+    "fp32-rows",
     "greedy",
     "greedy-module",
     "mlx-sdpa",
@@ -338,8 +339,8 @@ def run(
                         kinds.append((True, f"{scheme} greedy no skinny", greedy_no_skinny))
                     if "pipeline" in paths:
                         kinds.append((True, f"{scheme} pipeline", fast))
-                    if "coded" in paths and scheme == DEFAULT_SCHEME:
-                        kinds.append((True, f"{scheme} coded", fast))
+                    if "fp32-rows" in paths and scheme == DEFAULT_SCHEME:
+                        kinds.append((True, f"{scheme} fp32 rows", fast))
                     if "q4-packed" in paths and SCHEMES[scheme].plain:
                         kinds.append((True, f"{scheme} packed", fast))
                     if "per-step" in paths:
@@ -387,28 +388,31 @@ def run(
     }
 
 
-# Paths whose steps run with a module-level switch on, and only theirs: the working set's
-# pipelining (``kvshelf.kv.working_set.PIPELINE``), and plain Q4 decoding on its packed
-# rows through ``quantized_matmul`` (``kvshelf.kv.blocks.PACKED_DECODE``: a GPU's path,
-# and the CPU's before plain Q4 got the dense working set).
-SWITCHES: dict[str, tuple[Any, str]] = {
-    " pipeline": (working_set, "PIPELINE"),
-    " packed": (blocks, "PACKED_DECODE"),
-    " coded": (coded_working_set, "CODED"),
+# Paths whose steps run with a module-level switch set, and only theirs: the working set's
+# pipelining on (``kvshelf.kv.working_set.PIPELINE``), plain Q4 decoding on its packed rows
+# through ``quantized_matmul`` (``kvshelf.kv.blocks.PACKED_DECODE``: a GPU's path, and the
+# CPU's before plain Q4 got the dense working set), and the default scheme's layers kept as
+# fp32 rows instead of codes (``kvshelf.kv.coded_working_set.CODED`` off, as before
+# 2026-12-08).
+SWITCHES: dict[str, tuple[Any, str, bool]] = {
+    " pipeline": (working_set, "PIPELINE", True),
+    " packed": (blocks, "PACKED_DECODE", True),
+    " fp32 rows": (coded_working_set, "CODED", False),
 }
 
 
 class SwitchedStepper(Stepper):
-    """A stepper whose steps run with ``switch`` (a module and the name of its flag) set to
-    True, and only its steps: the other steppers of the same rounds run without it."""
+    """A stepper whose steps run with ``switch`` (a module, the name of its flag and the
+    value to give it) set, and only its steps: the other steppers of the same rounds run
+    without it."""
 
-    def __init__(self, switch: tuple[Any, str], *args: Any) -> None:
+    def __init__(self, switch: tuple[Any, str, bool], *args: Any) -> None:
         super().__init__(*args)
-        self._module, self._name = switch
+        self._module, self._name, self._value = switch
 
     def step(self) -> float:
         default = getattr(self._module, self._name)
-        setattr(self._module, self._name, True)
+        setattr(self._module, self._name, self._value)
         try:
             return super().step()
         finally:

@@ -24,12 +24,14 @@ scales folded in, the rotation undone once): a step's logits are those of the fp
 set to fp32 rounding, not bit for bit. A step gives the same bits every time from the same
 blocks, so a restored agent continues as one kept in RAM.
 
-Who uses it: the default kernels' native step (``kvshelf.model.native_decode``) of agents
-decoding above temperature 0, when ``CODED`` is on (``KVSHELF_CODED_ATTENTION=1``), for
-layers whose members all keep codable blocks (``coded_view.codable``) with heads long
-enough to gain (``coded_attention.worth_reading``). Off by default: a whole step with it
-has not yet been measured against the fp32 working set under the benchmark lock
-(``benchmarks/decode.py --paths default,coded``). Any other call (the module path, a
+Who uses it: the default kernels' native step (``kvshelf.model.native_decode``) of at most
+``MAX_LAYER_ROWS`` agents decoding above temperature 0 (``reads_codes``), for layers whose
+members all keep codable blocks (``coded_view.codable``) with heads long enough to gain
+(``coded_attention.worth_reading``: the embedded Gemma 3's 256 floats, not the llama's 64).
+Measured as whole steps of the embedded Gemma 3 against the fp32 working set, side by side
+(``benchmarks/decode.py --paths default,fp32-rows``, ``decode-20261208-003827.json``): 0.83-0.99x
+the time at 1K-16K and batch 1-8, the most at 16K, with 0.19-0.29x its bytes.
+``KVSHELF_NO_CODED_ATTENTION=1`` keeps fp32 rows. Any other call (the module path, a
 temperature-0 step) goes through the members' own update and fetch, and the buffer is
 rebuilt at the next coded step.
 """
@@ -49,7 +51,7 @@ from kvshelf.model.skinny import MAX_LAYER_ROWS
 from kvshelf.model.spec import BLOCK_TOKENS
 from kvshelf.switches import env_on
 
-CODED = env_on("KVSHELF_CODED_ATTENTION")
+CODED = not env_on("KVSHELF_NO_CODED_ATTENTION")
 
 # Free columns added whenever the buffer is rebuilt (the fp32 working set's GROW_COLUMNS).
 GROW_COLUMNS = 128
@@ -61,7 +63,7 @@ def reads_codes(forward: Any, batch: int) -> bool:
     """Whether ``forward``'s decode step of ``batch`` agents reads layers kept in codes: the
     default kernels' native step (not temperature 0's, not the module path)."""
     native = getattr(forward, "native", None)
-    return native is not None and not native.exact and batch <= MAX_LAYER_ROWS
+    return native is not None and not native.exact and native.defer_updates and batch <= MAX_LAYER_ROWS
 
 
 def coded_layer_fits(members: list[QuantizedLayerCache]) -> bool:

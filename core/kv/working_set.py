@@ -43,9 +43,10 @@ The cost is RAM while decoding: on the embedded Gemma 3 (fp32 compute, default s
 about 55 MB per agent at 4K context and 130 MB at 16K (the Q4 blocks: 9 and 20 MB);
 ``WorkingSets.nbytes`` says how much is held now.
 
-Where ``kvshelf.kv.coded_working_set.CODED`` is on (off by default), the native
-step's layers of the default scheme keep their members' codes instead (``CodedDecodeLayer``: a
-fraction of these bytes, read in place by ``kvshelf.model.coded_attention``).
+The default kernels' native step keeps the default scheme's layers in codes instead, where
+their heads gain by it (``kvshelf.kv.coded_working_set.CodedDecodeLayer``: a fraction of
+these bytes, read in place by ``kvshelf.model.coded_attention``); temperature 0's steps and
+the module path keep these fp32 rows.
 
 A run is keyed by its members' identities (the scheduler passes its requests), so an
 agent that leaves and comes back (after a rewind, a reload or a fork) is read afresh
