@@ -24,7 +24,7 @@ def test_a_second_process_compiles_nothing(tmp_path):
     assert all(r.returncode == 0 for r in runs), [r.stderr[-3000:] for r in runs]
     first, second = (r.stdout + r.stderr for r in runs)
     loops = ("rows_by_weight_in_blocks", "quantize_rows", "gate_times_up", "grouped_decode", "halve", "coded_decode")
-    for loop in (*loops, "key_scores", "value_sums", "rms_rows", "rotate", "attend", "silu", "gelu"):
+    for loop in (*loops, "key_scores", "value_sums", "weigh", "merge", "rms_rows", "rotate", "attend", "silu", "gelu"):
         assert loop in first and "data saved" in first, loop
     saved = [line for line in second.splitlines() if "data saved" in line]
     assert "data loaded" in second and not saved, saved

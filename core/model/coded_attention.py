@@ -51,7 +51,7 @@ from typing import Any
 import numpy as np
 
 from kvshelf.model.coded_loops import GROUP
-from kvshelf.model.native_ops import F32, MASKED, column_splits
+from kvshelf.model.native_ops import F32, column_splits
 from kvshelf.model.spec import BLOCK_TOKENS
 
 # The shortest head worth reading in codes on this kind of machine (see the module's figures):
@@ -67,7 +67,7 @@ def worth_reading(head_dim: int) -> bool:
 @cache
 def _coded_kernel() -> Any:
     """The loop (compiled once per process, cached on disk by numba)."""
-    from kvshelf.model import coded_loops, vector_exp  # reached as module attributes: see those modules
+    from kvshelf.model import coded_loops, decode_softmax  # reached as module attributes: see those modules
     from kvshelf.model.jit import njit, prange
 
     @njit(parallel=True, fastmath=True, cache=True, boundscheck=False)
@@ -101,55 +101,26 @@ def _coded_kernel() -> Any:
                 bias[br, lo : lo + n],
                 scores,
             )
-            powers = np.empty(max(n, 1), dtype=np.int32)  # 2**k of each weight's exp, as fp32 bits
-            for g in range(group):
-                top = MASKED
-                for t in range(n):
-                    top = max(top, scores[g, t])
-                for t in range(n):
-                    x = scores[g, t] - top
-                    e, powers[t] = vector_exp.parts(max(x, vector_exp.FLOOR))
-                    # at the floor and below the weight is exactly 0; a range that sees nothing weighs nothing
-                    scores[g, t] = e if x >= vector_exp.FLOOR and top > MASKED else np.float32(0.0)
-                scales = powers.view(np.float32)
-                denominator = np.float32(0.0)
-                for t in range(n):
-                    e = scores[g, t] * scales[t]
-                    scores[g, t] = e
-                    denominator += e
-                tops[head, part, g] = top
-                sums[head, part, g] = denominator
+            decode_softmax.weigh(scores, n, tops[head, part], sums[head, part])
             coded_loops.value_sums(scores[:, :n], vc, vs, vz, head * pitch + c0, parts[head, part])
         for head in prange(batch * kv):  # each head's ranges at their common maximum, normalized
             b = head // kv
             h = head - b * kv
-            for g in range(group):
-                top = MASKED
-                for part in range(splits):
-                    top = max(top, tops[head, part, g])
-                denominator = np.float32(0.0)
+            decode_softmax.merge(tops[head], sums[head], parts[head], out[b, h])
+            if not rotated:
+                continue
+            for g in range(group):  # the values' rotation undone once: a normalized Hadamard is its own inverse
+                step = 1
+                while step < dv:
+                    for i0 in range(0, dv, 2 * step):
+                        for i in range(i0, i0 + step):
+                            x0, x1 = out[b, h, g, i], out[b, h, g, i + step]
+                            out[b, h, g, i] = x0 + x1
+                            out[b, h, g, i + step] = x0 - x1
+                    step *= 2
+                norm = np.float32(1.0 / np.sqrt(np.float32(dv)))
                 for i in range(dv):
-                    out[b, h, g, i] = 0.0
-                for part in range(splits):
-                    weight = np.exp(tops[head, part, g] - top) if splits > 1 else np.float32(1.0)
-                    denominator += weight * sums[head, part, g]
-                    for i in range(dv):
-                        out[b, h, g, i] += weight * parts[head, part, g, i]
-                scale = np.float32(1.0) / denominator if denominator > 0.0 else np.float32(0.0)
-                for i in range(dv):
-                    out[b, h, g, i] *= scale
-                if rotated:  # the values' rotation undone once: a normalized Hadamard is its own inverse
-                    step = 1
-                    while step < dv:
-                        for i0 in range(0, dv, 2 * step):
-                            for i in range(i0, i0 + step):
-                                x0, x1 = out[b, h, g, i], out[b, h, g, i + step]
-                                out[b, h, g, i] = x0 + x1
-                                out[b, h, g, i + step] = x0 - x1
-                        step *= 2
-                    norm = np.float32(1.0 / np.sqrt(np.float32(dv)))
-                    for i in range(dv):
-                        out[b, h, g, i] *= norm
+                    out[b, h, g, i] *= norm
 
     return coded_decode
 

@@ -275,7 +275,7 @@ def _attention_kernel() -> Any:
     for its values), because a separate loop for lone columns gave other bits than pairs,
     and a column's bits must not depend on its neighbour. Shorter heads keep the loops
     before (the same bits)."""
-    from kvshelf.model import prefetch, vector_exp  # reached as module attributes: see those modules
+    from kvshelf.model import decode_softmax, prefetch  # reached as module attributes: see those modules
     from kvshelf.model.jit import njit, prange
     from kvshelf.model.prefetch import LINE_FLOATS
 
@@ -387,26 +387,7 @@ def _attention_kernel() -> Any:
                         for i in range(d):
                             total += q[b, h, g, i] * new_k[b, h, i]
                         scores[g, t] = total + bias[br, lo + t]
-            powers = np.empty(max(n, 1), dtype=np.int32)  # 2**k of each weight's exp, as fp32 bits
-            for g in range(group):
-                top = MASKED
-                for t in range(n):
-                    top = max(top, scores[g, t])
-                # exp(score - top) in two vector loops (``kvshelf.model.vector_exp``); at
-                # its floor and below the weight is exactly 0 (masked columns, underflow)
-                for t in range(n):
-                    x = scores[g, t] - top
-                    e, powers[t] = vector_exp.parts(max(x, vector_exp.FLOOR))
-                    # a range that sees nothing (every column hidden) weighs nothing
-                    scores[g, t] = e if x >= vector_exp.FLOOR and top > MASKED else np.float32(0.0)
-                scales = powers.view(np.float32)
-                denominator = np.float32(0.0)
-                for t in range(n):
-                    e = scores[g, t] * scales[t]
-                    scores[g, t] = e
-                    denominator += e
-                tops[head, part, g] = top
-                sums[head, part, g] = denominator
+            decode_softmax.weigh(scores, n, tops[head, part], sums[head, part])
             acc = np.zeros((group, dv), dtype=np.float32)
             if paired_rows:
                 # Likewise one loop body weighs every value: a lone column goes with itself at weight 0
@@ -489,22 +470,7 @@ def _attention_kernel() -> Any:
         if splits > 1:  # each head's ranges, rescaled to their common maximum
             for head in prange(batch * kv):
                 b = head // kv
-                h = head - b * kv
-                for g in range(group):
-                    top = MASKED
-                    for part in range(splits):
-                        top = max(top, tops[head, part, g])
-                    denominator = np.float32(0.0)
-                    for i in range(dv):
-                        out[b, h, g, i] = 0.0
-                    for part in range(splits):
-                        weight = np.exp(tops[head, part, g] - top)
-                        denominator += weight * sums[head, part, g]
-                        for i in range(dv):
-                            out[b, h, g, i] += weight * parts[head, part, g, i]
-                    scale = np.float32(1.0) / denominator if denominator > 0.0 else np.float32(0.0)
-                    for i in range(dv):
-                        out[b, h, g, i] *= scale
+                decode_softmax.merge(tops[head], sums[head], parts[head], out[b, head - b * kv])
 
     return grouped_decode
 
